@@ -1,0 +1,89 @@
+"""glm5-matrix cells as nox sessions.
+
+Thin on purpose: the cells are data (matrix.toml), the logic is glm5_matrix.runner. Every
+session uses venv_backend="none" because the hardware preflight must run before any
+environment is built; the runner then builds the cell's own uv venv.
+
+    nox -l                       # the cells, one line each (--json for machines)
+    nox                          # what would run on this box (nothing heavy)
+    nox -s e2e-cpu               # a cell;  nox -s "e2e-tp1(deep_gemm)"  one of its variants
+    nox -t kv-simple             # cells by tag
+    nox -s e2e-tp1 -- --model /ckpt/GLM-5.3-Flash-4L --vllm 0.33.1 -k layout
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import nox
+
+sys.path.insert(0, str(Path(__file__).parent / "src"))
+
+from glm5_matrix import environments, hardware, runner  # noqa: E402
+from glm5_matrix.errors import UserError  # noqa: E402
+from glm5_matrix.matrix import Cell, Matrix  # noqa: E402
+
+nox.options.default_venv_backend = "none"
+# A bare `nox` only prints the plan. The default is left unset while listing, because nox's
+# `-l --json` reports only the selected sessions and must report every cell.
+if not {"-l", "--list", "--list-sessions", "--json"} & set(sys.argv):
+    nox.options.sessions = ["plan"]
+nox.options.error_on_missing_interpreters = True
+
+try:
+    MATRIX: Matrix = runner.load()
+except UserError as exc:  # a malformed matrix or env file: one line, non-zero exit
+    sys.exit(f"glm5-matrix: error: {exc}")
+
+
+def _register(cell: Cell) -> None:
+    if cell.axis is None:
+
+        def session(session: nox.Session) -> None:
+            runner.run_variant(session, MATRIX.variant(cell.name))
+
+        session.__doc__ = cell.description
+        nox.session(name=cell.name, tags=cell.variants[0].tags)(session)
+        return
+
+    def parametrized(session: nox.Session, **axis: str) -> None:
+        runner.run_variant(session, MATRIX.variant(f"{cell.name}({axis[cell.axis.name]})"))
+
+    parametrized.__doc__ = cell.description
+    params = [nox.param(v.value, id=v.value, tags=v.tags) for v in cell.variants]
+    nox.session(name=cell.name)(nox.parametrize(cell.axis.name, params)(parametrized))
+
+
+for _cell in MATRIX.cells:
+    _register(_cell)
+
+
+@nox.session(tags=["meta"])
+def plan(session: nox.Session) -> None:
+    """What each cell needs and whether it would run on this box (starts nothing)."""
+    found = hardware.detect()
+    session.log(f"hardware: {found.describe()}")
+    for variant in MATRIX.variants:
+        verdict = hardware.check(variant.cell, found)
+        state = "runs " if verdict.runnable else "skips"
+        session.log(f"{state} {variant.id:<28} {' '.join(variant.tags)}")
+
+
+@nox.session(tags=["meta"])
+def lock(session: nox.Session) -> None:
+    """Refresh constraints/NAME.txt from envs/NAME.toml with uv (`-- cpu` for one env)."""
+    envs = environments.load_envs(runner.repo_root())
+    for name in session.posargs or sorted(envs):
+        if name not in envs:
+            session.error(f"unknown environment {name!r} (envs: {', '.join(sorted(envs))})")
+        path = environments.lock(envs[name], run=lambda cmd: session.run(*cmd, external=True))
+        session.log(f"wrote {path}")
+
+
+@nox.session(tags=["meta"])
+def bench(session: nox.Session) -> None:
+    """Benchmarks: `nox -l` time, cold vs warm environment builds (-- --help for options)."""
+    session.run(
+        sys.executable, "benchmarks/matrix_timings.py", *session.posargs, external=True
+    )

@@ -1,0 +1,102 @@
+"""The cell context: the one place the suites read a cell's settings from.
+
+The runner writes it as JSON into the cell's results folder and points GLM5_MATRIX_CONTEXT at
+it; vLLM's worker processes inherit the variable, so they read the same settings. Running a
+suite by hand works too: `GLM5_MATRIX_CELL="e2e-cpu" pytest tests/suites/test_e2e.py` builds
+the context from the matrix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from glm5_matrix.errors import UserError
+
+CONTEXT_VARIABLE = "GLM5_MATRIX_CONTEXT"
+CELL_VARIABLE = "GLM5_MATRIX_CELL"
+
+
+@dataclass(frozen=True)
+class Weights:
+    """Which weights a cell uses: a checkpoint directory, or the profile's config with dummy weights."""
+
+    kind: str  # "checkpoint" or "dummy"
+    path: str | None = None
+    source: str = "profile"  # where the choice came from: "profile", "GLM5_PRUNED_MODEL", "--model", ...
+
+    def describe(self) -> str:
+        if self.kind == "checkpoint":
+            return f"checkpoint {self.path} (from {self.source})"
+        return "profile config with load_format='dummy' (no checkpoint given)"
+
+
+@dataclass(frozen=True)
+class CellContext:
+    cell: str  # the cell's name, e.g. "e2e-tp1"
+    id: str  # the session id, e.g. "e2e-tp1(deep_gemm)"
+    slug: str  # file-system-safe id, e.g. "e2e-tp1-deep_gemm"
+    suite: str
+    env: str
+    profile: str | None
+    tp: int | None
+    gpus: int
+    settings: dict[str, Any] = field(default_factory=dict)
+    environment: dict[str, str] = field(default_factory=dict)
+    weights: Weights = field(default_factory=lambda: Weights(kind="dummy"))
+    results_dir: str = ""
+    vllm: str | None = None  # the vLLM override of this run, if any
+
+    def setting(self, name: str, default: Any = None) -> Any:
+        return self.settings.get(name, default)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> CellContext:
+        data = json.loads(text)
+        data["weights"] = Weights(**data.get("weights", {"kind": "dummy"}))
+        return cls(**data)
+
+
+def for_variant(variant: Any, **overrides: Any) -> CellContext:
+    """The context of a matrix variant (glm5_matrix.matrix.Variant) before any run-time choice."""
+    cell = variant.cell
+    values: dict[str, Any] = dict(
+        cell=cell.name,
+        id=variant.id,
+        slug=variant.slug,
+        suite=cell.suite,
+        env=variant.env,
+        profile=cell.profile,
+        tp=cell.tp,
+        gpus=cell.gpus,
+        settings=variant.settings,
+        environment=dict(cell.environment),
+    )
+    values.update(overrides)
+    return CellContext(**values)
+
+
+def current() -> CellContext:
+    """The context of the cell this process runs in."""
+    path = os.environ.get(CONTEXT_VARIABLE)
+    if path:
+        try:
+            return CellContext.from_json(Path(path).read_text())
+        except FileNotFoundError:
+            raise UserError(f"{CONTEXT_VARIABLE}={path}: file not found") from None
+    cell_id = os.environ.get(CELL_VARIABLE)
+    if cell_id:
+        from glm5_matrix.matrix import MATRIX_FILE, load_matrix
+        from glm5_matrix.profiles import repo_root
+
+        variant = load_matrix(repo_root() / MATRIX_FILE).variant(cell_id)
+        return for_variant(variant)
+    raise UserError(
+        f"no cell context: run the suites through nox (`nox -s CELL`), or set {CELL_VARIABLE}"
+    )

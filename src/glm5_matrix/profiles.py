@@ -1,0 +1,67 @@
+"""Profiles: what a cell runs on (a model config and what the suites expect of it).
+
+`profiles/NAME/profile.toml` holds the expectations (each tolerance with its reason);
+`profiles/NAME/config.json`, where present, is the model config. Profiles are data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from glm5_matrix.errors import UserError
+
+
+def repo_root() -> Path:
+    """The checkout holding matrix.toml, envs/ and profiles/ (GLM5_MATRIX_ROOT overrides)."""
+    override = os.environ.get("GLM5_MATRIX_ROOT")
+    return Path(override) if override else Path(__file__).resolve().parents[2]
+
+
+def profiles_dir() -> Path:
+    return repo_root() / "profiles"
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    directory: Path
+    data: dict[str, Any]
+
+    @property
+    def config_path(self) -> Path:
+        return self.directory / "config.json"
+
+    def config(self) -> dict[str, Any]:
+        try:
+            return json.loads(self.config_path.read_text())
+        except FileNotFoundError:
+            raise UserError(f"profile {self.name}: {self.config_path} not found") from None
+        except json.JSONDecodeError as exc:
+            raise UserError(f"profile {self.name}: {self.config_path}: not valid JSON: {exc}") from None
+
+    def section(self, name: str) -> dict[str, Any]:
+        value = self.data.get(name, {})
+        if not isinstance(value, dict):
+            raise UserError(f"{self.directory / 'profile.toml'}: [{name}] must be a table")
+        return value
+
+
+def profile_names() -> list[str]:
+    return sorted(p.parent.name for p in profiles_dir().glob("*/profile.toml"))
+
+
+def load_profile(name: str) -> Profile:
+    directory = profiles_dir() / name
+    path = directory / "profile.toml"
+    if not path.is_file():
+        raise UserError(f"unknown profile {name!r} (profiles: {', '.join(profile_names()) or 'none'})")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"{path}: not valid TOML: {exc}") from None
+    return Profile(name=name, directory=directory, data=data)

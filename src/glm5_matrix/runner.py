@@ -1,0 +1,154 @@
+"""Running one cell: preflight, environment, the cell's suites, results.
+
+The noxfile calls run_variant() from every cell session; this is the one helper behind them.
+Order matters for GPU minutes and for honest skips: the model source and the hardware are
+checked before any environment is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from glm5_matrix import context as cell_context
+from glm5_matrix import environments, hardware, reports
+from glm5_matrix.errors import UserError
+from glm5_matrix.matrix import MATRIX_FILE, Matrix, Variant, load_matrix
+from glm5_matrix.profiles import load_profile, repo_root
+
+RESULTS_VARIABLE = "GLM5_MATRIX_RESULTS"
+VENVS_VARIABLE = "GLM5_MATRIX_VENVS"
+# Suites that load model weights; the others read the profile's config only.
+WEIGHTS_SUITES = ("e2e", "offload", "pd")
+
+
+def load(root: Path | None = None) -> Matrix:
+    root = root or repo_root()
+    return load_matrix(root / MATRIX_FILE, known_envs=set(environments.load_envs(root)))
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Our options taken out of the session's posargs; the rest goes to pytest."""
+
+    model: str | None
+    vllm: str | None
+    pytest_args: tuple[str, ...]
+
+
+def parse_posargs(posargs: list[str], environ: dict[str, str]) -> RunOptions:
+    parser = argparse.ArgumentParser(prog="nox -s CELL --", add_help=False)
+    parser.add_argument("--model", help="checkpoint directory (else GLM5_PRUNED_MODEL / MODEL)")
+    parser.add_argument("--vllm", help="vLLM version, wheel or source checkout to test")
+    known, rest = parser.parse_known_args(posargs)
+    return RunOptions(
+        model=known.model,
+        vllm=known.vllm or environ.get(environments.VLLM_VARIABLE) or None,
+        pytest_args=tuple(rest),
+    )
+
+
+def resolve_weights(
+    variant: Variant, model: str | None, environ: dict[str, str]
+) -> cell_context.Weights:
+    """Which weights the cell uses. A checkpoint that was asked for and is unusable is an error,
+    never a silent fallback to dummy weights."""
+    cell = variant.cell
+    if cell.profile is None or cell.suite not in WEIGHTS_SUITES:
+        return cell_context.Weights(kind="none", source="the suite reads the config only")
+    weights = load_profile(cell.profile).section("weights")
+    default = weights.get("default", "dummy")
+    candidates = [("--model", model)] + [
+        (name, environ.get(name)) for name in weights.get("checkpoint_variables", [])
+    ]
+    for source, value in candidates:
+        if not value:
+            continue
+        path = Path(value).expanduser()
+        if not path.is_dir():
+            raise UserError(f"{source}={value}: checkpoint directory not found")
+        from glm5_matrix.checkpoints import load_glm_config
+
+        load_glm_config(path)  # raises with one line when it is not a GLM-5.3-Flash checkpoint
+        return cell_context.Weights(kind="checkpoint", path=str(path.resolve()), source=source)
+    return cell_context.Weights(kind=default, source="profile")
+
+
+def results_dir(variant: Variant, environ: dict[str, str]) -> Path:
+    base = Path(environ.get(RESULTS_VARIABLE) or repo_root() / "results")
+    return base / variant.slug
+
+
+def venv_dir(variant: Variant, environ: dict[str, str]) -> Path:
+    base = Path(environ.get(VENVS_VARIABLE) or repo_root() / ".nox")
+    return base / variant.slug
+
+
+def run_variant(session: Any, variant: Variant) -> None:
+    """Everything a cell session does. `session` is a nox.Session."""
+    environ = dict(os.environ)
+    try:
+        options = parse_posargs(list(session.posargs), environ)
+        weights = resolve_weights(variant, options.model, environ)
+        found = hardware.detect(environ)
+        verdict = hardware.check(variant.cell, found)
+        if not verdict.runnable:
+            if hardware.strict(environ):
+                session.error(f"{verdict.reason} ({hardware.STRICT_VARIABLE} is set)")
+            session.skip(verdict.reason)
+        env = environments.load_envs(repo_root())[variant.env]
+        override = environments.resolve_vllm_override(options.vllm, env)
+        built = environments.build(
+            env, venv_dir(variant, environ), override, run=lambda cmd: session.run(*cmd, external=True)
+        )
+    except UserError as exc:
+        session.error(str(exc))
+    session.log(f"hardware: {verdict.reason}")
+    session.log(f"weights: {weights.describe()}")
+    session.log(f"environment {variant.env}: {built.describe()}")
+
+    out = results_dir(variant, environ)
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = cell_context.for_variant(
+        variant,
+        weights=weights,
+        results_dir=str(out),
+        vllm=override.spec if override else None,
+    )
+    ctx = replace(ctx, environment={**built.environment, **variant.cell.environment})
+    context_file = out / "context.json"
+    reports.write_json_atomic(context_file, asdict(ctx))
+
+    run_env = dict(ctx.environment)
+    run_env[cell_context.CONTEXT_VARIABLE] = str(context_file)
+    run_env["GLM5_MATRIX_ROOT"] = str(repo_root())
+    # The suites import the harness from the checkout; nothing of ours is installed in the venv.
+    src = str(repo_root() / "src")
+    run_env["PYTHONPATH"] = os.pathsep.join(p for p in (src, environ.get("PYTHONPATH")) if p)
+    if built.bin_dir is not None:
+        run_env["VIRTUAL_ENV"] = str(built.venv)
+        run_env["PATH"] = os.pathsep.join((str(built.bin_dir), environ.get("PATH", "")))
+
+    cell = variant.cell
+    if cell.commands:
+        for command in cell.commands:
+            session.run(*command, env=run_env, external=True)
+        return
+    pytest = [
+        str(built.python),
+        "-m",
+        "pytest",
+        *cell.tests,
+        "-p",
+        "glm5_matrix.reports",
+        f"--junitxml={out / 'junit.xml'}",
+        *options.pytest_args,
+    ]
+    session.log(f"cell context: {context_file}")
+    try:
+        session.run(*pytest, env=run_env, external=True)
+    finally:
+        session.log(f"{variant.id}: {reports.summarize(out)}")

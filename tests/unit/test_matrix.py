@@ -1,0 +1,160 @@
+"""The matrix: the cells users type, their tags, selection by tag, and malformed files."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from glm5_matrix.errors import UserError
+from glm5_matrix.matrix import load_matrix
+from glm5_matrix.profiles import repo_root
+
+ROOT = repo_root()
+ENVS = {"cpu", "cuda", "harness"}
+
+# The names users type (issue #2); they are a contract, so they are spelled out here.
+GPU_VARIANTS = {
+    "e2e-tp1(deep_gemm)",
+    "e2e-tp1(flashinfer)",
+    "e2e-tp2(deep_gemm)",
+    "e2e-tp2(flashinfer)",
+    "e2e-tp4(deep_gemm)",
+    "e2e-tp4(flashinfer)",
+    "offload-tp1(simple)",
+    "offload-tp1(offloading)",
+    "pd-nixl",
+}
+CPU_CELLS = {"e2e-cpu", "pd-nixl-cpu", "layout", "unit", "lint", "metadata"}
+
+
+@pytest.fixture(scope="module")
+def matrix():
+    return load_matrix(ROOT / "matrix.toml", known_envs=ENVS)
+
+
+def test_every_cell_users_type_is_there(matrix):
+    ids = {variant.id for variant in matrix.variants}
+    assert ids >= GPU_VARIANTS
+    assert {cell.name for cell in matrix.cells} >= CPU_CELLS
+
+
+@pytest.mark.parametrize(
+    ("variant_id", "expected"),
+    [
+        ("e2e-tp1(deep_gemm)", {"gpu", "gpus-1", "sm90", "e2e", "moe-deep_gemm", "tp-1"}),
+        ("e2e-tp2(flashinfer)", {"gpu", "gpus-2", "sm90", "e2e", "moe-flashinfer", "tp-2"}),
+        ("e2e-tp4(deep_gemm)", {"gpu", "gpus-4", "sm90", "e2e", "moe-deep_gemm", "tp-4"}),
+        ("offload-tp1(simple)", {"gpu", "gpus-1", "sm90", "offload", "kv-simple", "tp-1"}),
+        ("offload-tp1(offloading)", {"gpu", "offload", "kv-offloading"}),
+        ("pd-nixl", {"gpu", "gpus-2", "sm90", "pd"}),
+        ("e2e-cpu", {"cpu", "e2e"}),
+        ("pd-nixl-cpu", {"cpu", "pd"}),
+        ("layout(cuda)", {"cpu", "layout", "env-cuda"}),
+        ("layout(cpu)", {"cpu", "layout", "env-cpu"}),
+    ],
+)
+def test_tags(matrix, variant_id, expected):
+    tags = set(matrix.variant(variant_id).tags)
+    assert expected <= tags, f"{variant_id}: missing {expected - tags}"
+    assert ("gpu" in tags) != ("cpu" in tags)
+
+
+def test_gpu_cells_are_exactly_the_gpu_tagged_ones(matrix):
+    assert {v.id for v in matrix.select("gpu")} == GPU_VARIANTS
+    assert not {v.id for v in matrix.select("cpu")} & GPU_VARIANTS
+
+
+def test_selection_by_tag(matrix):
+    assert {v.id for v in matrix.select("moe-flashinfer")} == {
+        "e2e-tp1(flashinfer)",
+        "e2e-tp2(flashinfer)",
+        "e2e-tp4(flashinfer)",
+    }
+    assert {v.id for v in matrix.select("gpus-2")} == {
+        "e2e-tp2(deep_gemm)",
+        "e2e-tp2(flashinfer)",
+        "pd-nixl",
+    }
+    assert matrix.select("no-such-tag") == []
+
+
+def test_axis_value_reaches_the_settings(matrix):
+    assert matrix.variant("e2e-tp2(flashinfer)").settings["moe_backend"] == "flashinfer"
+    assert matrix.variant("offload-tp1(simple)").settings["kv_connector"] == "simple"
+    assert matrix.variant("layout(cuda)").env == "cuda"
+    assert matrix.variant("layout-cpu").env == "cpu"  # the slug works too
+
+
+def test_pd_cells_carry_the_conv_state_layout(matrix):
+    for name in ("pd-nixl", "pd-nixl-cpu"):
+        assert matrix.cell(name).environment["VLLM_SSM_CONV_STATE_LAYOUT"] == "DS"
+
+
+def test_unknown_cell_is_one_clear_error(matrix):
+    with pytest.raises(UserError, match="unknown cell 'e2e-tp3'"):
+        matrix.variant("e2e-tp3")
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "matrix.toml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+GOOD_CELL = """
+[cells.x]
+description = "d"
+suite = "e2e"
+env = "cpu"
+tests = ["tests/suites/test_e2e.py"]
+"""
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda s: s + "gpus = 'two'\n", r"cells\.x\.gpus: expected int"),
+        (lambda s: s + "colour = 'red'\n", r"cells\.x\.colour: unknown field"),
+        (lambda s: s.replace('suite = "e2e"', 'suite = "soak"'), r"cells\.x\.suite"),
+        (lambda s: s.replace('env = "cpu"', 'env = "rocm"'), r"cells\.x\.env: 'rocm'"),
+        (lambda s: s.replace('description = "d"\n', ""), r"cells\.x\.description: missing"),
+        (lambda s: s + "tp = 2\ngpus = 1\n", r"cells\.x\.tp"),
+        (lambda s: s + "min_compute_capability = '9'\ngpus = 1\n", r"min_compute_capability"),
+        (lambda s: s + "axis = { name = 'moe', values = [] , tag_prefix = 'm'}\n", r"axis\.values"),
+        (lambda s: s + "axis = { name = 'moe', values = ['a'] }\n", r"axis\.tag_prefix: missing"),
+        (lambda s: s + "commands = [['ruff']]\n", r"exactly one of tests or commands"),
+        (lambda s: s + "[", r"not valid TOML"),
+    ],
+)
+def test_malformed_matrix_names_file_and_field(tmp_path, edit, message):
+    path = _write(tmp_path, edit(GOOD_CELL))
+    with pytest.raises(UserError, match=message) as info:
+        load_matrix(path, known_envs=ENVS)
+    assert str(path) in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_missing_matrix_file(tmp_path):
+    with pytest.raises(UserError, match="matrix file not found"):
+        load_matrix(tmp_path / "matrix.toml")
+
+
+def test_adding_a_cell_is_a_data_edit(tmp_path):
+    text = (ROOT / "matrix.toml").read_text() + textwrap.dedent(
+        """
+        [cells.e2e-tp8]
+        description = "end-to-end at TP8"
+        suite = "e2e"
+        env = "cuda"
+        tests = ["tests/suites/test_e2e.py"]
+        profile = "glm-5.3-flash-4l"
+        gpus = 8
+        min_compute_capability = "9.0"
+        tp = 8
+        axis = { name = "moe_backend", values = ["deep_gemm"], tag_prefix = "moe" }
+        """
+    )
+    matrix = load_matrix(_write(tmp_path, text), known_envs=ENVS)
+    assert {"gpus-8", "tp-8", "moe-deep_gemm", "sm90"} <= set(matrix.variant("e2e-tp8(deep_gemm)").tags)

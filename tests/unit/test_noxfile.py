@@ -1,0 +1,104 @@
+"""The noxfile as users drive it: listing, skips, strict mode and bad input, through real nox."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from glm5_matrix.profiles import repo_root
+
+ROOT = repo_root()
+pytestmark = pytest.mark.skipif(
+    subprocess.run([sys.executable, "-m", "nox", "--version"], capture_output=True).returncode,
+    reason="nox is not installed in this interpreter",
+)
+
+
+def nox(*args: str, root: Path = ROOT, **env: str) -> subprocess.CompletedProcess[str]:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("GLM5_")}
+    environ.update(env)
+    return subprocess.run(
+        [sys.executable, "-m", "nox", "-f", str(root / "noxfile.py"), *args],
+        capture_output=True,
+        text=True,
+        env=environ,
+        timeout=120,
+    )
+
+
+def test_json_listing_has_every_cell_with_tags():
+    result = nox("-l", "--json")
+    assert result.returncode == 0, result.stderr
+    listing = {entry["session"]: entry for entry in json.loads(result.stdout)}
+    for name in ("e2e-tp1(deep_gemm)", "e2e-tp4(flashinfer)", "offload-tp1(offloading)"):
+        assert "gpu" in listing[name]["tags"]
+    assert "gpus-2" in listing["pd-nixl"]["tags"]
+    for name in ("e2e-cpu", "pd-nixl-cpu", "layout(cpu)", "layout(cuda)", "unit", "lint"):
+        assert "cpu" in listing[name]["tags"], name
+    assert all(entry["description"] for entry in listing.values())
+
+
+def test_bare_nox_only_prints_the_plan():
+    result = nox(GLM5_MATRIX_GPUS="")
+    assert result.returncode == 0, result.stderr
+    assert "Running session plan" in result.stderr
+    assert "skips e2e-tp1(deep_gemm)" in result.stderr
+    assert "Running session e2e" not in result.stderr
+
+
+def test_gpu_cell_without_gpu_skips_with_reason():
+    result = nox("-s", "e2e-tp1", GLM5_MATRIX_GPUS="")
+    assert result.returncode == 0, result.stderr
+    for backend in ("deep_gemm", "flashinfer"):
+        assert f"Session e2e-tp1({backend}) skipped: e2e-tp1 needs 1 GPU(s)" in result.stderr
+    assert "found no GPU (GLM5_MATRIX_GPUS='')" in result.stderr
+
+
+def test_strict_mode_fails_without_the_hardware():
+    result = nox("-s", "pd-nixl", GLM5_MATRIX_GPUS="9.0", GLM5_MATRIX_STRICT="1")
+    assert result.returncode != 0
+    assert "pd-nixl needs 2 GPU(s) with compute capability >= 9.0; found 1 GPU(s)" in result.stderr
+
+
+def test_unknown_cell_fails():
+    result = nox("-s", "e2e-tp3")
+    assert result.returncode != 0
+    assert "e2e-tp3" in result.stderr
+
+
+def test_missing_checkpoint_is_an_error_not_a_fallback(tmp_path):
+    result = nox(
+        "-s", "e2e-tp1(deep_gemm)", GLM5_MATRIX_GPUS="", GLM5_PRUNED_MODEL=str(tmp_path / "no")
+    )
+    assert result.returncode != 0
+    assert "GLM5_PRUNED_MODEL=" in result.stderr and "checkpoint directory not found" in result.stderr
+
+
+def test_override_to_a_missing_wheel_fails_before_building(tmp_path):
+    venvs = tmp_path / "venvs"
+    result = nox(
+        "-s",
+        "e2e-cpu",
+        GLM5_MATRIX_VLLM=str(tmp_path / "vllm-9.9.9.whl"),
+        GLM5_MATRIX_VENVS=str(venvs),
+    )
+    assert result.returncode != 0
+    assert "wheel file not found" in result.stderr
+    assert not venvs.exists()
+
+
+def test_malformed_matrix_is_one_line(tmp_path):
+    for name in ("noxfile.py", "envs", "constraints", "profiles", "src"):
+        source = ROOT / name
+        (shutil.copytree if source.is_dir() else shutil.copy)(source, tmp_path / name)
+    text = (ROOT / "matrix.toml").read_text().replace("gpus = 2\n", "gpus = \"two\"\n", 1)
+    (tmp_path / "matrix.toml").write_text(text)
+    result = nox("-l", root=tmp_path, GLM5_MATRIX_ROOT=str(tmp_path))
+    assert result.returncode != 0
+    assert "matrix.toml: cells.e2e-tp2.gpus: expected int" in result.stderr
