@@ -20,9 +20,9 @@ import nox
 
 sys.path.insert(0, str(Path(__file__).parent / "src"))
 
-from glm5_matrix import environments, hardware, runner  # noqa: E402
-from glm5_matrix.errors import UserError  # noqa: E402
-from glm5_matrix.matrix import Cell, Matrix  # noqa: E402
+from glm5_matrix import environments, hardware, runner
+from glm5_matrix.errors import UserError
+from glm5_matrix.matrix import Cell, Matrix
 
 nox.options.default_venv_backend = "none"
 # A bare `nox` only prints the plan. The default is left unset while listing, because nox's
@@ -47,12 +47,14 @@ def _register(cell: Cell) -> None:
         nox.session(name=cell.name, tags=cell.variants[0].tags)(session)
         return
 
+    axis_name = cell.axis.name
+
     def parametrized(session: nox.Session, **axis: str) -> None:
-        runner.run_variant(session, MATRIX.variant(f"{cell.name}({axis[cell.axis.name]})"))
+        runner.run_variant(session, MATRIX.variant(f"{cell.name}({axis[axis_name]})"))
 
     parametrized.__doc__ = cell.description
     params = [nox.param(v.value, id=v.value, tags=v.tags) for v in cell.variants]
-    nox.session(name=cell.name)(nox.parametrize(cell.axis.name, params)(parametrized))
+    nox.session(name=cell.name)(nox.parametrize(axis_name, params)(parametrized))
 
 
 for _cell in MATRIX.cells:
@@ -84,6 +86,4 @@ def lock(session: nox.Session) -> None:
 @nox.session(tags=["meta"])
 def bench(session: nox.Session) -> None:
     """Benchmarks: `nox -l` time, cold vs warm environment builds (-- --help for options)."""
-    session.run(
-        sys.executable, "benchmarks/matrix_timings.py", *session.posargs, external=True
-    )
+    session.run(sys.executable, "benchmarks/matrix_timings.py", *session.posargs, external=True)

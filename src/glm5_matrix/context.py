@@ -26,7 +26,9 @@ class Weights:
 
     kind: str  # "checkpoint" or "dummy"
     path: str | None = None
-    source: str = "profile"  # where the choice came from: "profile", "GLM5_PRUNED_MODEL", "--model", ...
+    source: str = (
+        "profile"  # where the choice came from: "profile", "GLM5_PRUNED_MODEL", "--model", ...
+    )
 
     def describe(self) -> str:
         if self.kind == "checkpoint":

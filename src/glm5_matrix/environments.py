@@ -143,7 +143,9 @@ def resolve_vllm_override(spec: str | None, env: EnvDefinition) -> VllmOverride 
     if not spec:
         return None
     if env.vllm_distribution is None:
-        raise UserError(f"environment {env.name!r} installs no vLLM; {VLLM_VARIABLE} does not apply")
+        raise UserError(
+            f"environment {env.name!r} installs no vLLM; {VLLM_VARIABLE} does not apply"
+        )
     if re.fullmatch(r"[0-9][0-9A-Za-z.+!-]*", spec):
         return VllmOverride(spec, f"{env.vllm_distribution}=={spec}")
     path = Path(spec).expanduser()
@@ -153,7 +155,9 @@ def resolve_vllm_override(spec: str | None, env: EnvDefinition) -> VllmOverride 
         return VllmOverride(spec, str(path.resolve()))
     if path.is_dir():
         if not any((path / name).is_file() for name in ("pyproject.toml", "setup.py")):
-            raise UserError(f"{VLLM_VARIABLE}={spec}: not a vLLM source checkout (no pyproject.toml)")
+            raise UserError(
+                f"{VLLM_VARIABLE}={spec}: not a vLLM source checkout (no pyproject.toml)"
+            )
         return VllmOverride(spec, str(path.resolve()), editable=True)
     if "/" in spec or spec.startswith("."):
         raise UserError(f"{VLLM_VARIABLE}={spec}: no such wheel file or source checkout")
@@ -201,7 +205,9 @@ def install_command(
         command += ["--extra-index-url", url]
     command += list(env.requirements)
     if override is not None:
-        command += ["--editable", override.requirement] if override.editable else [override.requirement]
+        command += (
+            ["--editable", override.requirement] if override.editable else [override.requirement]
+        )
     elif env.vllm:
         command.append(env.vllm)
     return command, temporary
@@ -275,7 +281,9 @@ def build(
     if env.python:
         create += ["--python", env.python]
     run(create)
-    command, temporary = install_command(env, python, constraints_for(env, override, venv), override)
+    command, temporary = install_command(
+        env, python, constraints_for(env, override, venv), override
+    )
     try:
         run(command)
     finally:
@@ -337,8 +345,9 @@ def lock(env: EnvDefinition, run: Any = None) -> Path:
 
 
 def _write_lines(lines: tuple[str, ...] | list[str], suffix: str = ".txt") -> Path:
-    handle = tempfile.NamedTemporaryFile("w", suffix=suffix, prefix="glm5-matrix-", delete=False)
-    with handle:
+    with tempfile.NamedTemporaryFile(
+        "w", suffix=suffix, prefix="glm5-matrix-", delete=False
+    ) as handle:
         handle.write("\n".join(lines) + "\n")
     return Path(handle.name)
 

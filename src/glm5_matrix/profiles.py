@@ -42,7 +42,9 @@ class Profile:
         except FileNotFoundError:
             raise UserError(f"profile {self.name}: {self.config_path} not found") from None
         except json.JSONDecodeError as exc:
-            raise UserError(f"profile {self.name}: {self.config_path}: not valid JSON: {exc}") from None
+            raise UserError(
+                f"profile {self.name}: {self.config_path}: not valid JSON: {exc}"
+            ) from None
 
     def section(self, name: str) -> dict[str, Any]:
         value = self.data.get(name, {})
@@ -59,7 +61,9 @@ def load_profile(name: str) -> Profile:
     directory = profiles_dir() / name
     path = directory / "profile.toml"
     if not path.is_file():
-        raise UserError(f"unknown profile {name!r} (profiles: {', '.join(profile_names()) or 'none'})")
+        raise UserError(
+            f"unknown profile {name!r} (profiles: {', '.join(profile_names()) or 'none'})"
+        )
     try:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:

@@ -102,7 +102,10 @@ def run_variant(session: Any, variant: Variant) -> None:
         env = environments.load_envs(repo_root())[variant.env]
         override = environments.resolve_vllm_override(options.vllm, env)
         built = environments.build(
-            env, venv_dir(variant, environ), override, run=lambda cmd: session.run(*cmd, external=True)
+            env,
+            venv_dir(variant, environ),
+            override,
+            run=lambda cmd: session.run(*cmd, external=True),
         )
     except UserError as exc:
         session.error(str(exc))

@@ -57,7 +57,9 @@ def test_detection_without_nvidia_smi(monkeypatch):
     assert "nvidia-smi not found" in found.describe()
 
 
-@pytest.mark.parametrize(("value", "expected"), [("1", True), ("true", True), ("", False), ("0", False)])
+@pytest.mark.parametrize(
+    ("value", "expected"), [("1", True), ("true", True), ("", False), ("0", False)]
+)
 def test_strict(value, expected):
     assert strict({"GLM5_MATRIX_STRICT": value}) is expected
     assert strict({}) is False

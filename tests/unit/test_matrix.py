@@ -157,4 +157,6 @@ def test_adding_a_cell_is_a_data_edit(tmp_path):
         """
     )
     matrix = load_matrix(_write(tmp_path, text), known_envs=ENVS)
-    assert {"gpus-8", "tp-8", "moe-deep_gemm", "sm90"} <= set(matrix.variant("e2e-tp8(deep_gemm)").tags)
+    assert {"gpus-8", "tp-8", "moe-deep_gemm", "sm90"} <= set(
+        matrix.variant("e2e-tp8(deep_gemm)").tags
+    )

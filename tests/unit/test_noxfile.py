@@ -77,7 +77,9 @@ def test_missing_checkpoint_is_an_error_not_a_fallback(tmp_path):
         "-s", "e2e-tp1(deep_gemm)", GLM5_MATRIX_GPUS="", GLM5_PRUNED_MODEL=str(tmp_path / "no")
     )
     assert result.returncode != 0
-    assert "GLM5_PRUNED_MODEL=" in result.stderr and "checkpoint directory not found" in result.stderr
+    assert (
+        "GLM5_PRUNED_MODEL=" in result.stderr and "checkpoint directory not found" in result.stderr
+    )
 
 
 def test_override_to_a_missing_wheel_fails_before_building(tmp_path):
@@ -97,7 +99,7 @@ def test_malformed_matrix_is_one_line(tmp_path):
     for name in ("noxfile.py", "envs", "constraints", "profiles", "src"):
         source = ROOT / name
         (shutil.copytree if source.is_dir() else shutil.copy)(source, tmp_path / name)
-    text = (ROOT / "matrix.toml").read_text().replace("gpus = 2\n", "gpus = \"two\"\n", 1)
+    text = (ROOT / "matrix.toml").read_text().replace("gpus = 2\n", 'gpus = "two"\n', 1)
     (tmp_path / "matrix.toml").write_text(text)
     result = nox("-l", root=tmp_path, GLM5_MATRIX_ROOT=str(tmp_path))
     assert result.returncode != 0
