@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from glm5_matrix import context as cell_context
-from glm5_matrix import environments, hardware, reports
+from glm5_matrix import environments, hardware, reports, weights
 from glm5_matrix.errors import UserError
 from glm5_matrix.matrix import MATRIX_FILE, Matrix, Variant, load_matrix
 from glm5_matrix.profiles import load_profile, repo_root
@@ -128,9 +128,13 @@ def run_variant(session: Any, variant: Variant) -> None:
     run_env = dict(ctx.environment)
     run_env[cell_context.CONTEXT_VARIABLE] = str(context_file)
     run_env["GLM5_MATRIX_ROOT"] = str(repo_root())
-    # The suites import the harness from the checkout; nothing of ours is installed in the venv.
+    # The suites import the harness from the checkout and vLLM finds our plugin (the random
+    # weights load format) through its metadata: nothing of ours is installed in the venv.
     src = str(repo_root() / "src")
-    run_env["PYTHONPATH"] = os.pathsep.join(p for p in (src, environ.get("PYTHONPATH")) if p)
+    plugin_site = str(weights.write_plugin_site(out / "site"))
+    run_env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (src, plugin_site, environ.get("PYTHONPATH")) if p
+    )
     if built.bin_dir is not None:
         run_env["VIRTUAL_ENV"] = str(built.venv)
         run_env["PATH"] = os.pathsep.join((str(built.bin_dir), environ.get("PATH", "")))

@@ -1,0 +1,165 @@
+"""Random weights that make outputs vary, without a download: the `glm5-random` load format.
+
+vLLM's `load_format="dummy"` fills every float tensor with uniform values in +-1e-3 (8-bit
+floats in +-1) and their fp32 block scales with the same +-1e-3. Through RMSNorm weights of
+1e-3 and fp8 scales of 1e-3 the residual stream carries almost nothing, and GLM-5.3-Flash-4L
+then emits one token forever (40354 x 32 on an H200), so every "outputs are equal" check
+would pass vacuously. This loader keeps vLLM's dummy machinery (dtype handling, devices,
+quantized layers) but picks the ranges the way an initialiser would:
+
+- norm weights 1, biases 0;
+- matrices uniform in +-sqrt(3 / fan_in), so activations keep their scale layer to layer;
+- fp8 matrices uniform in +-1 with their block scales set to sqrt(3 / fan_in), the same
+  effective weights;
+- everything else (gates, decay parameters, integers) as vLLM's dummy loader does.
+
+Each tensor's seed comes from its name, so P and D instances (and repeated runs) get identical
+weights. vLLM loads the format in every process through the `vllm.general_plugins` entry point
+(`register` below), which the runner exposes to the cell's interpreter.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+LOAD_FORMAT = "glm5-random"
+PLUGIN_GROUP = "vllm.general_plugins"
+PLUGIN_NAME = "glm5_matrix_random_weights"
+PLUGIN_TARGET = "glm5_matrix.weights:register"
+
+
+@dataclass(frozen=True)
+class Init:
+    """How one tensor is filled: a constant, a symmetric uniform range, or vLLM's default."""
+
+    kind: str  # "constant", "uniform" or "vllm-default"
+    value: float = 0.0  # the constant, or the half-width of the uniform range
+
+
+def seed_for(name: str) -> int:
+    return zlib.crc32(name.encode()) & 0x7FFFFFFF
+
+
+def choose_init(
+    name: str,
+    shape: tuple[int, ...],
+    is_float: bool,
+    bits: int,
+    module_kind: str,
+    sibling_shape: tuple[int, ...] | None = None,
+    sibling_bits: int | None = None,
+) -> Init:
+    """The rule for one tensor. `name` is its name inside its module (`weight`,
+    `w13_weight_scale_inv`), `module_kind` the module's class name, `sibling_*` describe the
+    quantized tensor a scale belongs to."""
+    if not is_float:
+        return Init("vllm-default")
+    leaf = name.rsplit(".", 1)[-1]
+    if "scale" in leaf:
+        if sibling_shape and sibling_bits is not None and sibling_bits <= 8:
+            return Init("constant", math.sqrt(3.0 / sibling_shape[-1]))
+        return Init("vllm-default")
+    if leaf == "bias":
+        return Init("constant", 0.0)
+    if "norm" in module_kind.lower() and leaf == "weight" and len(shape) == 1:
+        return Init("constant", 1.0)
+    if len(shape) >= 2 and shape[-1] > 0:
+        if bits <= 8:
+            return Init("uniform", 1.0)
+        return Init("uniform", math.sqrt(3.0 / shape[-1]))
+    return Init("vllm-default")
+
+
+def scale_sibling(name: str) -> str | None:
+    """`w13_weight_scale_inv` -> `w13_weight`; `weight_scale` -> `weight`."""
+    for suffix in ("_scale_inv", "_scale"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return None
+
+
+def register() -> None:
+    """vllm.general_plugins entry point: runs in every vLLM process before models load."""
+    from vllm.model_executor.model_loader import register_model_loader
+
+    register_model_loader(LOAD_FORMAT)(_loader_class())
+
+
+def _loader_class() -> Any:
+    import torch
+    from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
+    from vllm.model_executor.model_loader.weight_utils import initialize_single_dummy_weight
+
+    def bits_of(tensor: torch.Tensor) -> int:
+        if tensor.dtype.is_floating_point:
+            return torch.finfo(tensor.dtype).bits
+        return tensor.element_size() * 8
+
+    class RandomWeightsLoader(DummyModelLoader):
+        """DummyModelLoader with ranges that keep activations alive (see the module doc)."""
+
+        def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:
+            # Online-quantized layers go through vLLM's own path (they are materialized and
+            # quantized there); GLM-5.3-Flash's checkpoint is pre-quantized, so none are.
+            from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+            from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+
+            for prefix, layer in model.named_modules():
+                info = get_layerwise_info(layer)
+                if info.can_load():
+                    self._process_online_quant_layer(layer, info)
+                    continue
+                tensors = {
+                    name: tensor
+                    for name, tensor in get_layer_tensors(layer).items()
+                    if name not in layer._non_persistent_buffers_set
+                }
+                for name, tensor in tensors.items():
+                    sibling = tensors.get(scale_sibling(name) or "")
+                    rule = choose_init(
+                        name,
+                        tuple(tensor.shape),
+                        tensor.dtype.is_floating_point,
+                        bits_of(tensor),
+                        type(layer).__name__,
+                        tuple(sibling.shape) if sibling is not None else None,
+                        bits_of(sibling) if sibling is not None else None,
+                    )
+                    seed = seed_for(f"{prefix}.{name}")
+                    if rule.kind == "constant":
+                        with torch.no_grad():
+                            tensor.fill_(rule.value)
+                    elif rule.kind == "uniform":
+                        initialize_single_dummy_weight(
+                            tensor, low=-rule.value, high=rule.value, seed=seed
+                        )
+                    else:
+                        initialize_single_dummy_weight(tensor, seed=seed)
+
+    return RandomWeightsLoader
+
+
+def entry_points_text() -> str:
+    """The entry_points.txt that makes vLLM load this plugin."""
+    return f"[{PLUGIN_GROUP}]\n{PLUGIN_NAME} = {PLUGIN_TARGET}\n"
+
+
+def write_plugin_site(directory: Path) -> Path:
+    """A site directory holding only this plugin's distribution metadata. On PYTHONPATH (with
+    src/), every vLLM process of the cell finds the entry point: in a uv venv and in an
+    offline interpreter alike, without installing anything."""
+    info = directory / "glm5_matrix_plugins-0.1.0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    files = {
+        "METADATA": "Metadata-Version: 2.1\nName: glm5-matrix-plugins\nVersion: 0.1.0\n",
+        "entry_points.txt": entry_points_text(),
+    }
+    for name, text in files.items():
+        tmp = info / f".{name}.tmp"
+        tmp.write_text(text)
+        tmp.replace(info / name)
+    return directory
