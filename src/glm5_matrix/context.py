@@ -22,18 +22,25 @@ CELL_VARIABLE = "GLM5_MATRIX_CELL"
 
 @dataclass(frozen=True)
 class Weights:
-    """Which weights a cell uses: a checkpoint directory, or the profile's config with dummy weights."""
+    """Which weights a cell uses: a checkpoint directory, or what the profile provides."""
 
-    kind: str  # "checkpoint" or "dummy"
+    # "checkpoint"; "random": the profile's config.json with the glm5-random load format;
+    # "generated": the profile's own generated model; "dummy": vLLM's dummy weights;
+    # "none": the suite reads the config only.
+    kind: str
     path: str | None = None
-    source: str = (
-        "profile"  # where the choice came from: "profile", "GLM5_PRUNED_MODEL", "--model", ...
-    )
+    # Where the choice came from: "profile", "GLM5_PRUNED_MODEL", "MODEL", "--model".
+    source: str = "profile"
 
     def describe(self) -> str:
         if self.kind == "checkpoint":
             return f"checkpoint {self.path} (from {self.source})"
-        return "profile config with load_format='dummy' (no checkpoint given)"
+        return {
+            "random": "profile config.json with random weights (load format glm5-random)",
+            "generated": "the profile's generated model (random weights, fixed seed)",
+            "dummy": "profile config.json with vLLM's dummy weights",
+            "none": "none: the suite reads the config only",
+        }.get(self.kind, self.kind)
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,7 @@ def run_variant(session: Any, variant: Variant) -> None:
     environ = dict(os.environ)
     try:
         options = parse_posargs(list(session.posargs), environ)
-        weights = resolve_weights(variant, options.model, environ)
+        model_source = resolve_weights(variant, options.model, environ)
         found = hardware.detect(environ)
         verdict = hardware.check(variant.cell, found)
         if not verdict.runnable:
@@ -110,14 +110,14 @@ def run_variant(session: Any, variant: Variant) -> None:
     except UserError as exc:
         session.error(str(exc))
     session.log(f"hardware: {verdict.reason}")
-    session.log(f"weights: {weights.describe()}")
+    session.log(f"weights: {model_source.describe()}")
     session.log(f"environment {variant.env}: {built.describe()}")
 
     out = results_dir(variant, environ)
     out.mkdir(parents=True, exist_ok=True)
     ctx = cell_context.for_variant(
         variant,
-        weights=weights,
+        weights=model_source,
         results_dir=str(out),
         vllm=override.spec if override else None,
     )

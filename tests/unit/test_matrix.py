@@ -51,8 +51,8 @@ def test_every_cell_users_type_is_there(matrix):
         ("pd-nixl", {"gpu", "gpus-2", "sm90", "pd"}),
         ("e2e-cpu", {"cpu", "e2e"}),
         ("pd-nixl-cpu", {"cpu", "pd"}),
-        ("layout(cuda)", {"cpu", "layout", "env-cuda"}),
-        ("layout(cpu)", {"cpu", "layout", "env-cpu"}),
+        ("layout", {"cpu", "layout", "env-cuda"}),
+        ("metadata", {"cpu", "metadata", "env-cuda"}),
     ],
 )
 def test_tags(matrix, variant_id, expected):
@@ -83,8 +83,8 @@ def test_selection_by_tag(matrix):
 def test_axis_value_reaches_the_settings(matrix):
     assert matrix.variant("e2e-tp2(flashinfer)").settings["moe_backend"] == "flashinfer"
     assert matrix.variant("offload-tp1(simple)").settings["kv_connector"] == "simple"
-    assert matrix.variant("layout(cuda)").env == "cuda"
-    assert matrix.variant("layout-cpu").env == "cpu"  # the slug works too
+    assert matrix.variant("offload-tp1-offloading").settings["kv_connector"] == "offloading"
+    assert matrix.variant("layout").env == "cuda"
 
 
 def test_pd_cells_carry_the_conv_state_layout(matrix):
