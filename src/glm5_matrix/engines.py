@@ -1,0 +1,449 @@
+"""Managed in-process vLLM engines for the suites.
+
+An Engine is built from the cell's profile: the model (the tiny hybrid, a checkpoint, or the
+profile's config with dummy weights), the profile's [engine] arguments, and the cell's
+parallelism. It is a context manager that always shuts vLLM down (vLLM's own shutdown API, then a
+bounded wait for the child processes it started; any left are killed by id and reported).
+
+Worker-side reads (KV layout, block tables, cache pages) go through `LLM.collective_rpc` with
+module-level functions of this module, which needs VLLM_ALLOW_INSECURE_SERIALIZATION=1: the
+Engine sets it in its own process environment for its lifetime only (the workers inherit it at
+spawn), never globally.
+
+Only what the CPU cell needs is implemented; the GPU GLM profile plugs in through the profile's
+[engine] table and `cell_engine_args` (tensor parallelism today; MoE backend and MTP later).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from glm5_matrix.context import CellContext
+from glm5_matrix.errors import UserError
+from glm5_matrix.profiles import Profile, load_profile
+from glm5_matrix.reports import record_engine_start
+
+INSECURE_SERIALIZATION = "VLLM_ALLOW_INSECURE_SERIALIZATION"
+SHUTDOWN_TIMEOUT_S = 30.0
+# Engine args the harness decides itself; a profile that sets them is refused.
+_HARNESS_ARGS = {"model", "tensor_parallel_size", "load_format"}
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything an engine is built from; equal specs can share one engine."""
+
+    label: str
+    model: str
+    args: dict[str, Any]
+    environment: dict[str, str] = field(default_factory=dict)
+
+
+def engine_spec(cell: CellContext, profile: Profile | None = None, **overrides: Any) -> EngineSpec:
+    """The engine of a cell: model + profile [engine] args + the cell's parallelism + overrides."""
+    if profile is None:
+        if cell.profile is None:
+            raise UserError(f"cell {cell.id}: no profile, so no engine to build")
+        profile = load_profile(cell.profile)
+    engine = dict(profile.section("engine"))
+    environment = {str(k): str(v) for k, v in engine.pop("environment", {}).items()}
+    clash = _HARNESS_ARGS & set(engine)
+    if clash:
+        raise UserError(
+            f"{profile.directory / 'profile.toml'} [engine]: {sorted(clash)[0]!r} is set by the "
+            "harness (from the cell and the weights), not by the profile"
+        )
+    model, model_args = resolve_model(cell, profile)
+    args = {**engine, **model_args, **cell_engine_args(cell), **overrides}
+    # The cell's environment (e.g. the conv-state layout) applies to its engines too.
+    environment = {**cell.environment, **environment}
+    label = f"{profile.name}:{cell.id}"
+    if overrides:
+        label += "[" + ",".join(f"{k}={v}" for k, v in sorted(overrides.items())) + "]"
+    return EngineSpec(label=label, model=model, args=args, environment=environment)
+
+
+def resolve_model(cell: CellContext, profile: Profile) -> tuple[str, dict[str, Any]]:
+    """The model path and the load arguments it needs."""
+    if cell.weights.kind == "checkpoint":
+        assert cell.weights.path is not None
+        return cell.weights.path, {}
+    if "model" in profile.data:  # a generated model (the tiny hybrid)
+        from glm5_matrix.tiny_hybrid import ensure_model
+
+        return str(ensure_model(profile=profile.name)), {}
+    # The profile's config.json with vLLM's dummy weights.
+    if not profile.config_path.is_file():
+        raise UserError(f"profile {profile.name}: no [model] table and no {profile.config_path}")
+    return str(profile.directory), {"load_format": "dummy"}
+
+
+def cell_engine_args(cell: CellContext) -> dict[str, Any]:
+    """Engine args that come from the cell rather than the profile."""
+    args: dict[str, Any] = {}
+    if cell.tp is not None and cell.tp > 1:
+        args["tensor_parallel_size"] = cell.tp
+    return args
+
+
+class Engine:
+    """A running vLLM `LLM`, shut down on exit whatever happened."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+        self._llm: Any = None
+        self._saved_environment: dict[str, str | None] = {}
+        self._scratch: Path | None = None
+        self._children_before: set[int] = set()
+        self.start_seconds: float | None = None
+        self.leftover_processes: list[str] = []
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def __enter__(self) -> Engine:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def start(self) -> None:
+        self._children_before = set(child_pids())
+        self._scratch = Path(tempfile.mkdtemp(prefix="glm5-matrix-engine-"))
+        rpc_dir = self._scratch / "rpc"
+        rpc_dir.mkdir()
+        environment = {
+            **self.spec.environment,
+            INSECURE_SERIALIZATION: "1",
+            # vLLM's caches (model-class inspection, compiled graphs) persist in the harness
+            # cache, which saves ~15 s per start; ZMQ socket files go to a scratch folder.
+            "VLLM_CACHE_ROOT": str(vllm_cache_root()),
+            "VLLM_RPC_BASE_PATH": str(rpc_dir),
+        }
+        for name, value in environment.items():
+            self._saved_environment[name] = os.environ.get(name)
+            os.environ[name] = value
+        try:
+            # Imported before the clock starts: a once-per-process cost, not the engine's.
+            from vllm import LLM
+        except BaseException:
+            self.shutdown()
+            raise
+        started = time.monotonic()
+        try:
+            self._llm = LLM(model=self.spec.model, **self.spec.args)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.start_seconds = time.monotonic() - started
+        record_engine_start(self.spec.label, self.start_seconds)
+
+    def shutdown(self) -> None:
+        """Stop the engine (vLLM's API), wait for its processes, kill and report leftovers."""
+        llm, self._llm = self._llm, None
+        try:
+            if llm is not None:
+                engine_core = getattr(llm.llm_engine, "engine_core", None)
+                if engine_core is not None:
+                    engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
+                del llm
+        finally:
+            self.leftover_processes = reap_children(self._children_before, SHUTDOWN_TIMEOUT_S)
+            for name, value in self._saved_environment.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+            self._saved_environment.clear()
+            if self._scratch is not None:
+                shutil.rmtree(self._scratch, ignore_errors=True)
+                self._scratch = None
+
+    @property
+    def llm(self) -> Any:
+        if self._llm is None:
+            raise RuntimeError(f"engine {self.spec.label} is not running")
+        return self._llm
+
+    # --- requests ----------------------------------------------------------------------------
+
+    def generate_greedy(
+        self, prompt: Sequence[int], max_tokens: int, logprobs: int | None = None
+    ) -> tuple[list[int], list[float] | None]:
+        """Greedy tokens for one token-id prompt, and each chosen token's logprob if asked."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs
+        )
+        output = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(prompt))], params, use_tqdm=False
+        )[0].outputs[0]
+        tokens = list(output.token_ids)
+        if logprobs is None:
+            return tokens, None
+        chosen = [step[token].logprob for token, step in zip(tokens, output.logprobs, strict=True)]
+        return tokens, chosen
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self.llm.reset_prefix_cache())
+
+    def rpc(self, function: Any, *args: Any) -> list[Any]:
+        """Run `function(worker, *args)` on every worker; one result per worker."""
+        return list(self.llm.collective_rpc(function, args=args))
+
+    # --- what the engine decided -------------------------------------------------------------
+
+    def kv_layout(self) -> dict[str, Any]:
+        """The KV cache layout of rank 0 as plain data (see worker_kv_layout)."""
+        return self.rpc(worker_kv_layout)[0]
+
+    def record_block_tables(self) -> None:
+        """From now on, remember every request's block table per KV cache group (rank 0)."""
+        self.rpc(worker_start_block_recorder)
+
+    def recorded_block_tables(self, clear: bool = True) -> dict[str, list[list[list[int]]]]:
+        """{request id: [block ids per group, one entry per step where they changed]} for the
+        requests seen since the recorder started or was last cleared."""
+        return self.rpc(worker_recorded_block_tables, clear)[0]
+
+    def read_pages(self, layer_blocks: Sequence[tuple[str, int]]) -> list[list[Any]]:
+        """For each (layer, block id): that block's page of each of the layer's state tensors,
+        as float32 numpy arrays, from rank 0."""
+        return self.rpc(worker_read_pages, list(layer_blocks))[0]
+
+
+def vllm_cache_root() -> Path:
+    """Where the engines' vLLM caches live: next to the generated models."""
+    from glm5_matrix.tiny_hybrid import default_cache_dir
+
+    return default_cache_dir().parent / "vllm"
+
+
+def resolve_class(qualified_name: str) -> type:
+    """The class object named `module.Class`, imported in this process."""
+    module, _, name = qualified_name.rpartition(".")
+    found = getattr(importlib.import_module(module), name)
+    if not isinstance(found, type):
+        raise TypeError(f"{qualified_name} is not a class")
+    return found
+
+
+# --- child processes ---------------------------------------------------------------------------
+
+
+def child_pids() -> list[int]:
+    """All live descendants of this process."""
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover - psutil ships with vLLM's environments
+        return _child_pids_from_proc(os.getpid())
+    return [p.pid for p in psutil.Process().children(recursive=True) if _alive(p)]
+
+
+def _alive(process: Any) -> bool:
+    import psutil
+
+    try:
+        return bool(process.status() != psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _child_pids_from_proc(root: int) -> list[int]:
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                stat = (entry / "stat").read_text()
+                fields = stat.rsplit(")", 1)[1].split()
+                if fields[0] != "Z":
+                    parents[int(entry.name)] = int(fields[1])
+    found: list[int] = []
+    frontier = [root]
+    while frontier:
+        parent = frontier.pop()
+        kids = [pid for pid, ppid in parents.items() if ppid == parent]
+        found.extend(kids)
+        frontier.extend(kids)
+    return found
+
+
+def stdlib_helper_pids() -> set[int]:
+    """Python's multiprocessing resource tracker: started by the first spawn and kept for the
+    life of the interpreter by design; it is not an engine process."""
+    from multiprocessing import resource_tracker
+
+    pid = getattr(resource_tracker._resource_tracker, "_pid", None)
+    return {pid} if pid else set()
+
+
+def reap_children(before: set[int], timeout: float) -> list[str]:
+    """Wait up to `timeout` for children started after `before` to exit; kill any left (by id)
+    and return their descriptions, so the caller can fail on them."""
+    deadline = time.monotonic() + timeout
+    while True:
+        new = set(child_pids()) - before - stdlib_helper_pids()
+        if not new or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    leftovers = []
+    for pid in sorted(new):
+        leftovers.append(f"pid {pid}: {_cmdline(pid)}")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, 9)
+    return leftovers
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+    except OSError:
+        return "?"
+
+
+# --- worker-side functions (run inside vLLM's worker processes via collective_rpc) -------------
+
+
+def _runner(worker: Any) -> Any:
+    return worker.model_runner
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def worker_kv_layout(worker: Any) -> dict[str, Any]:
+    """The KV cache config as plain data.
+
+    groups: per KV cache group, the spec's qualified class name, block size, page bytes (padded,
+    as allocated), the unpadded state page for Mamba specs, and layer names.
+    tensors: per KVCacheTensor, its layers and byte placement in the shared allocation.
+    storage: per layer, (storage address, first byte, last byte) of its allocated views, so the
+    caller can see which layers share memory.
+    """
+    config = _runner(worker).kv_cache_config
+    context = _runner(worker).compilation_config.static_forward_context
+    groups = []
+    for group in config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        entry: dict[str, Any] = {
+            "spec_class": _qualified(type(spec)),
+            "block_size": int(spec.block_size),
+            "page_size_bytes": int(spec.page_size_bytes),
+            "layer_names": list(group.layer_names),
+        }
+        if hasattr(spec, "shapes"):
+            entry["state_shapes"] = [list(s) for s in spec.shapes]
+            entry["state_dtypes"] = [str(d) for d in spec.dtypes]
+            entry["mamba_cache_mode"] = getattr(spec, "mamba_cache_mode", None)
+        else:
+            entry["bytes_per_token"] = int(spec.page_size_bytes // spec.block_size)
+            layer = context[group.layer_names[0]]
+            if hasattr(layer, "get_attn_backend"):
+                entry["backend_class"] = _qualified(layer.get_attn_backend())
+        groups.append(entry)
+    tensors = [
+        {
+            "layers": list(t.layers),
+            "size": int(t.size),
+            "offset": int(t.offset),
+            "layer_stride": int(t.layer_stride),
+            "block_stride": int(t.block_stride),
+        }
+        for t in config.kv_cache_tensors
+    ]
+    storage = {}
+    for name, views in _layer_caches(worker).items():
+        spans = [_span(v) for v in views]
+        storage[name] = {
+            "storage": spans[0][0],
+            "first_byte": min(s[1] for s in spans),
+            "end_byte": max(s[2] for s in spans),
+        }
+    return {
+        "num_blocks": int(config.num_blocks),
+        "groups": groups,
+        "tensors": tensors,
+        "storage": storage,
+    }
+
+
+def _layer_caches(worker: Any) -> dict[str, list[Any]]:
+    """Each KV layer's allocated cache tensors (one per state for Mamba layers)."""
+    context = _runner(worker).compilation_config.static_forward_context
+    caches: dict[str, list[Any]] = {}
+    for group in _runner(worker).kv_cache_config.kv_cache_groups:
+        for name in group.layer_names:
+            cache = context[name].kv_cache
+            caches[name] = list(cache) if isinstance(cache, (list, tuple)) else [cache]
+    return caches
+
+
+def _span(tensor: Any) -> tuple[int, int, int]:
+    """(storage address, first byte, end byte) a view covers inside its storage."""
+    element = tensor.element_size()
+    start = tensor.storage_offset() * element
+    extent = sum(
+        (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+    )
+    return tensor.untyped_storage().data_ptr(), start, start + (extent + 1) * element
+
+
+def worker_start_block_recorder(worker: Any) -> None:
+    """Wrap the runner's per-step state update to remember each request's block table.
+
+    Why: a request's block ids live only in the scheduler and, while it runs, in the runner;
+    the checkpoint-page check needs them after the request finished. Reading is all it does.
+    """
+    runner = _runner(worker)
+    if not hasattr(runner, "_update_states") or not hasattr(runner, "requests"):
+        raise RuntimeError(f"{type(runner).__name__}: no _update_states/requests to record from")
+    if getattr(runner, "_glm5_block_records", None) is not None:
+        return
+    runner._glm5_block_records = {}
+    original = runner._update_states
+
+    def update_states(scheduler_output: Any) -> Any:
+        result = original(scheduler_output)
+        for req_id, state in runner.requests.items():
+            table = [list(ids) for ids in state.block_ids]
+            history = runner._glm5_block_records.setdefault(req_id, [])
+            if not history or history[-1] != table:
+                history.append(table)
+        return result
+
+    runner._update_states = update_states
+
+
+def worker_recorded_block_tables(worker: Any, clear: bool) -> dict[str, list[list[list[int]]]]:
+    runner = _runner(worker)
+    records = dict(getattr(runner, "_glm5_block_records", None) or {})
+    if clear and getattr(runner, "_glm5_block_records", None) is not None:
+        runner._glm5_block_records.clear()
+    return records
+
+
+def worker_read_pages(worker: Any, layer_blocks: list[tuple[str, int]]) -> list[list[Any]]:
+    """Copy each (layer, block id)'s page, per state tensor, as float32 numpy."""
+    caches = _layer_caches(worker)
+    num_blocks = _runner(worker).kv_cache_config.num_blocks
+    pages = []
+    for name, block in layer_blocks:
+        views = caches[name]
+        for view in views:
+            # Mamba state views are block-major: [num_blocks, *state shape].
+            if view.shape[0] != num_blocks:
+                raise RuntimeError(f"{name}: cache view {tuple(view.shape)} is not block-major")
+        pages.append([view[block].float().cpu().numpy().copy() for view in views])
+    return pages
