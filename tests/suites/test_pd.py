@@ -1,0 +1,353 @@
+"""NixlConnector 1P1D: a prefill server P hands its KV cache to a decode server D over NIXL.
+
+Shared by the CPU cell (tiny hybrid, KV buffer in host memory) and the GPU cell (GLM-5.3-Flash-
+4L): everything cell-specific comes from the profile's [pd] table and [engine] arguments.
+
+One module fixture starts P and D (two real vLLM API servers, kv_role kv_both, prefix caching
+on) and runs the request flow once: a P-only reference, a P->D request, and the same P->D
+request again, snapshotting both servers' /metrics around each. The tests then judge that record;
+engine starts dominate the run time, so there are three (P, D, and the mismatched prefiller of
+the negative control).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import shutil
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from glm5_matrix import disagg, servers
+from glm5_matrix.compare import matched_logprob_deltas
+from glm5_matrix.context import CellContext
+from glm5_matrix.engines import engine_spec
+from glm5_matrix.profiles import Profile
+
+pytestmark = pytest.mark.engine
+
+SERVED_MODEL = "pd-model"  # one name on every server, so requests read the same on P and D
+CONNECTORS = {"nixl": "NixlConnector"}
+# Candidates asked for per step: enough to see, where P-only and P->D part, both tokens.
+TOP_LOGPROBS = 5
+
+
+def _pd(profile: Profile) -> dict[str, Any]:
+    table = profile.section("pd")
+    if not table:
+        pytest.fail(f"profile {profile.name} has no [pd] table, which the pd suite needs")
+    return table
+
+
+def _server_args(cell: CellContext, profile: Profile) -> tuple[str, list[str], dict[str, str]]:
+    """Model, api_server flags and environment shared by every server of the suite."""
+    pd = _pd(profile)
+    connector = cell.setting("kv_connector", "nixl")
+    if connector not in CONNECTORS:
+        pytest.fail(f"cell {cell.id}: kv_connector {connector!r} is not one of {list(CONNECTORS)}")
+    spec = engine_spec(cell, profile, enable_prefix_caching=True)
+    kv_config = {
+        "kv_connector": CONNECTORS[connector],
+        "kv_role": "kv_both",
+        "kv_buffer_device": pd["kv_buffer_device"],
+        # Explicit, although vLLM's default: a failed load must fail the request, never be
+        # recomputed silently (the negative control depends on it).
+        "kv_load_failure_policy": "fail",
+    }
+    args = [
+        *servers.engine_cli_args(spec.args),
+        "--served-model-name",
+        SERVED_MODEL,
+        "--kv-transfer-config",
+        json.dumps(kv_config),
+    ]
+    return spec.model, args, dict(spec.environment)
+
+
+@pytest.fixture(scope="module")
+def log_dir(cell: CellContext, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Server logs go to the cell's results folder (a temporary one when run by hand)."""
+    return Path(cell.results_dir) if cell.results_dir else tmp_path_factory.mktemp("pd-logs")
+
+
+def _server(
+    label: str,
+    model: str,
+    args: list[str],
+    env: dict[str, str],
+    role_env: str,
+    pd: dict[str, Any],
+    log_dir: Path,
+) -> servers.VllmServer:
+    return servers.VllmServer(
+        label,
+        model,
+        args,
+        env={**env, **_strings(pd.get("environment", {})), **_strings(pd.get(role_env, {}))},
+        log_dir=log_dir,
+        python=sys.executable,  # the cell environment's interpreter
+        startup_timeout=float(pd["startup_timeout_s"]),
+    )
+
+
+def _strings(table: dict[str, Any]) -> dict[str, str]:
+    return {str(k): str(v) for k, v in table.items()}
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    prefill: disagg.TransferCounters
+    decode: disagg.TransferCounters
+
+
+@dataclass
+class Record:
+    """What the module fixture did and saw; the tests judge it."""
+
+    model: str
+    prefill_server: servers.VllmServer
+    decode_server: servers.VllmServer
+    other_prefill_server: servers.VllmServer  # other weights: for the negative control
+    block_size: int
+    prompt: list[int]
+    reference: disagg.Completion  # P alone, no transfer
+    first: disagg.Disaggregated  # P -> D
+    second: disagg.Disaggregated  # the same request again
+    before: Snapshot
+    after_first: Snapshot
+    after_second: Snapshot
+
+
+def _snapshot(p: servers.VllmServer, d: servers.VllmServer) -> Snapshot:
+    return Snapshot(
+        prefill=disagg.transfer_counters(disagg.fetch_metrics(p.url)),
+        decode=disagg.transfer_counters(disagg.fetch_metrics(d.url)),
+    )
+
+
+def _prompt(model: str, length: int, seed: int) -> list[int]:
+    vocab = json.loads((Path(model) / "config.json").read_text())
+    vocab_size = vocab.get("vocab_size") or vocab["text_config"]["vocab_size"]
+    rng = random.Random(seed)
+    return [rng.randrange(vocab_size) for _ in range(length)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_process_survives() -> Iterator[None]:
+    """Set up first, torn down last: after every server of this module is stopped, no child
+    process of the test process may be left."""
+    before = set(servers.live_descendants())
+    yield
+    left = sorted(set(servers.live_descendants()) - before)
+    assert not left, f"processes left behind by the pd suite: {left}"
+
+
+@pytest.fixture(scope="module")
+def record(
+    cell: CellContext, profile: Profile, log_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Record]:
+    pd = _pd(profile)
+    model, args, env = _server_args(cell, profile)
+    other_model, other_args = _other_model(
+        profile, model, args, tmp_path_factory.mktemp("other") / "model"
+    )
+    p = _server("prefill", model, args, env, "prefill_environment", pd, log_dir)
+    d = _server("decode", model, args, env, "decode_environment", pd, log_dir)
+    other = _server(
+        "prefill-other", other_model, other_args, env, "prefill_environment", pd, log_dir
+    )
+    timeout = float(pd["request_timeout_s"])
+    max_tokens = int(pd["max_tokens"])
+    # All three start together: their start-ups overlap, and the negative control's prefiller
+    # does not start later next to two running servers (whose NIXL threads keep polling).
+    with servers.running([p, d, other]):
+        for server in (p, d, other):
+            print(f"\n{server.label} healthy after {server.startup_seconds:.0f} s")
+        # The block size is vLLM's (the hybrid aligner raises it), read back from the server.
+        block_size = int(disagg.cache_config(disagg.fetch_metrics(d.url))["block_size"])
+        prompt = _prompt(model, round(float(pd["prompt_blocks"]) * block_size), seed=0)
+        before = _snapshot(p, d)
+        reference = disagg.complete(
+            p.url, SERVED_MODEL, prompt, max_tokens, timeout=timeout, top_logprobs=TOP_LOGPROBS
+        )
+        first = disagg.prefill_then_decode(
+            p.url, d.url, SERVED_MODEL, prompt, max_tokens, timeout, top_logprobs=TOP_LOGPROBS
+        )
+        after_first = _snapshot(p, d)
+        second = disagg.prefill_then_decode(
+            p.url, d.url, SERVED_MODEL, prompt, max_tokens, timeout, top_logprobs=TOP_LOGPROBS
+        )
+        after_second = _snapshot(p, d)
+        yield Record(
+            model,
+            p,
+            d,
+            other,
+            block_size,
+            prompt,
+            reference,
+            first,
+            second,
+            before,
+            after_first,
+            after_second,
+        )
+    for server in (p, d, other):
+        assert server.group_members_left() == [], f"{server.label} left processes behind"
+
+
+def test_output_varies(record: Record, profile: Profile) -> None:
+    """Guards the equality checks below: a constant output would match anything."""
+    tokens = record.reference.token_ids
+    minimum = int(_pd(profile)["tolerances"]["min_distinct_tokens"])
+    assert len(set(tokens)) >= minimum, f"P-only output {tokens} has < {minimum} distinct tokens"
+
+
+def test_prefill_hands_over_every_kv_group(record: Record, profile: Profile) -> None:
+    params = record.first.prefill.kv_transfer_params
+    assert params is not None
+    assert params["do_remote_prefill"] is True
+    assert params["remote_port"] == record.prefill_server.side_channel_port
+    groups = params["remote_block_ids"]
+    assert len(groups) == int(_pd(profile)["kv_groups"]), groups
+    assert all(len(blocks) > 0 for blocks in groups), groups
+    # P computed the prompt (all of it, or all but the last token that D recomputes).
+    assert len(record.prompt) - 1 <= params["remote_num_tokens"] <= len(record.prompt)
+
+
+def test_kv_was_transferred(record: Record) -> None:
+    d = record.after_first.decode.minus(record.before.decode)
+    params = record.first.prefill.kv_transfer_params
+    assert params is not None
+    print(f"\nfirst P->D, D counters moved by {d}")
+    assert d.nixl_failed == 0
+    assert d.nixl_transfers >= 1 and d.nixl_bytes > 0, d
+    # D took from P exactly what P said it computed: nothing came from D's own cache.
+    assert d.local_hits == 0, d
+    assert d.external_hits == params["remote_num_tokens"], d
+    assert d.external_prompt_tokens == d.external_hits, d
+    # More than one block crossed, so block boundaries were exercised.
+    assert d.external_hits > record.block_size, d
+
+
+def test_repeated_request_hits_decode_cache_or_moves_less(record: Record) -> None:
+    first = record.after_first.decode.minus(record.before.decode)
+    second = record.after_second.decode.minus(record.after_first.decode)
+    print(f"\nrepeated P->D, D counters moved by {second}")
+    assert second.nixl_failed == 0
+    assert second.local_hits > 0 or second.nixl_bytes < first.nixl_bytes, (first, second)
+    # Whatever D did not take from its cache still came from P.
+    assert second.local_hits + second.external_hits == first.external_hits, (first, second)
+    assert record.second.decode.token_ids == record.first.decode.token_ids
+
+
+def test_disaggregated_output_matches_single_server(record: Record, profile: Profile) -> None:
+    tolerances = _pd(profile)["tolerances"]
+    tolerance = float(tolerances["logprob_abs"])
+    reference, decoded = record.reference, record.first.decode
+    assert len(set(reference.token_ids)) >= int(tolerances["min_distinct_tokens"])
+    prefix = int(tolerances["matching_prefix_tokens"])
+    assert decoded.token_ids[:prefix] == reference.token_ids[:prefix], (
+        f"P->D {decoded.token_ids} vs P-only {reference.token_ids}"
+    )
+    # Logprobs are compared only where the tokens are the same.
+    deltas = matched_logprob_deltas(
+        reference.token_ids, reference.logprobs, decoded.token_ids, decoded.logprobs
+    )
+    assert len(deltas) >= prefix
+    worst = max(abs(x) for x in deltas)
+    print(
+        f"\nP-only {reference.token_ids}\nP->D   {decoded.token_ids}\n"
+        f"{len(deltas)} matched tokens, max |logprob delta| {worst:.4f}"
+    )
+    assert worst <= tolerance, deltas
+    if len(deltas) < len(reference.token_ids):
+        # Where they part, it must be a near-tie on both sides, not a different model state:
+        # each side's choice is among the other's top candidates, within the tolerance.
+        k = len(deltas)
+        ours, theirs = reference.token_ids[k], decoded.token_ids[k]
+        for name, top, chosen, other in (
+            ("P-only", reference.top_logprobs[k], ours, theirs),
+            ("P->D", decoded.top_logprobs[k], theirs, ours),
+        ):
+            assert other in top, f"step {k}: {name} top-{TOP_LOGPROBS} {top} lacks {other}"
+            gap = top[chosen] - top[other]
+            print(f"step {k}: {name} gap between {chosen} and {other}: {gap:.4f}")
+            assert gap <= tolerance, f"step {k}: {name} {top}: not a near-tie"
+
+
+def _other_model(
+    profile: Profile, model: str, args: list[str], folder: Path
+) -> tuple[str, list[str]]:
+    """A model like the cell's with other weights, in another folder, and its server flags.
+
+    The generated tiny model gets another seed. Any other profile gets a copy of its model
+    folder's config with vLLM's dummy weights. Either way the prefiller is refused through
+    NIXL's compatibility hash, whose factors include the model path: that is what this checks.
+    """
+    if "model" in profile.data:
+        from glm5_matrix.tiny_hybrid import TinyHybridSpec, write_model
+
+        spec = TinyHybridSpec.from_profile(profile)
+        spec = dataclasses.replace(spec, seed=spec.seed + 1)
+        folder.mkdir(parents=True)
+        write_model(spec, folder)
+        return str(folder), args
+    shutil.copytree(model, folder, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
+    return str(folder), args if "--load-format" in args else [*args, "--load-format", "dummy"]
+
+
+def test_prefiller_with_other_weights_is_refused(record: Record, profile: Profile) -> None:
+    pd = _pd(profile)
+    timeout = float(pd["request_timeout_s"])
+    max_tokens = int(pd["max_tokens"])
+    d, other = record.decode_server, record.other_prefill_server
+    # A prompt D has never seen, so that nothing of it can come from D's own cache.
+    prompt = _prompt(record.model, len(record.prompt), seed=1)
+    try:
+        before = disagg.transfer_counters(disagg.fetch_metrics(d.url))
+        log_offset = d.log_path.stat().st_size
+        prefill = disagg.complete(
+            other.url,
+            SERVED_MODEL,
+            prompt,
+            max_tokens=1,
+            kv_transfer_params={"do_remote_decode": True},
+            timeout=timeout,
+        )
+        assert prefill.kv_transfer_params and prefill.kv_transfer_params["remote_block_ids"]
+        with pytest.raises(disagg.RequestFailed) as refused:
+            disagg.complete(
+                d.url,
+                SERVED_MODEL,
+                prompt,
+                max_tokens,
+                kv_transfer_params=prefill.kv_transfer_params,
+                timeout=timeout,
+            )
+        after = disagg.transfer_counters(disagg.fetch_metrics(d.url))
+    finally:
+        other.stop()  # not needed any more; its idle threads would slow the rest down
+    assert other.group_members_left() == []
+    assert refused.value.status >= 500, refused.value
+    with d.log_path.open("rb") as log:
+        log.seek(log_offset)
+        assert b"NIXL compatibility hash mismatch" in log.read()
+    delta = after.minus(before)
+    print(f"\nrefused: HTTP {refused.value.status}; D counters moved by {delta}")
+    # Nothing was moved and no prompt token was served from a transfer. (D's
+    # external_prefix_cache_hits counts the tokens it was promised at admission, before the
+    # handshake failed, so it is not a measure of use.)
+    assert delta.nixl_bytes == 0 and delta.external_prompt_tokens == 0, delta
+    assert delta.nixl_failed >= 1, delta
+    # D is not broken by the refusal: P's KV still decodes to the same output.
+    again = disagg.prefill_then_decode(
+        record.prefill_server.url, d.url, SERVED_MODEL, record.prompt, max_tokens, timeout
+    )
+    assert again.decode.token_ids == record.first.decode.token_ids

@@ -1,0 +1,281 @@
+"""glm5_matrix.servers with real processes and real HTTP servers, no vLLM.
+
+Where the server module is replaced (test_start_*), the stand-in is one small HTTP server
+module put first on PYTHONPATH under vLLM's module name: it is the only way to drive
+VllmServer's start/stop path without vLLM, and it mimics only what VllmServer relies on
+(--host/--port, /health, a child process like vLLM's engine core).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from glm5_matrix import reports, servers
+
+
+def _alive(pid: int) -> bool:
+    stat = servers._proc_stat(pid)
+    return stat is not None and stat[0] != "Z"
+
+
+def _wait_for_file(path: Path, seconds: float = 30.0) -> str:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if path.is_file() and path.read_text().strip():
+            return path.read_text().strip()
+        time.sleep(0.05)
+    raise AssertionError(f"{path} was not written within {seconds} s")
+
+
+def test_free_ports_are_distinct_and_bindable() -> None:
+    ports = servers.free_ports(3)
+    assert len(set(ports)) == 3
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((servers.HOST, port))  # raises if the port were taken
+
+
+def test_engine_cli_args() -> None:
+    args = servers.engine_cli_args(
+        {
+            "enforce_eager": True,
+            "enable_prefix_caching": False,
+            "max_model_len": 2048,
+            "dtype": "bf16",
+        }
+    )
+    assert args == [
+        "--enforce-eager",
+        "--no-enable-prefix-caching",
+        "--max-model-len",
+        "2048",
+        "--dtype",
+        "bf16",
+    ]
+    with pytest.raises(TypeError, match="no command-line form"):
+        servers.engine_cli_args({"limit_mm_per_prompt": {"image": 0}})
+
+
+# A child that ignores SIGTERM and starts a grandchild that ignores it too: only SIGKILL of the
+# whole group stops both.
+_STUBBORN = textwrap.dedent(
+    """
+    import signal, subprocess, sys, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    grandchild = subprocess.Popen([sys.executable, "-c",
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+    open(sys.argv[1], "w").write(str(grandchild.pid))
+    time.sleep(600)
+    """
+)
+
+
+def test_stop_process_group_kills_child_and_grandchild(tmp_path: Path) -> None:
+    pid_file = tmp_path / "grandchild.pid"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _STUBBORN, str(pid_file)], start_new_session=True
+    )
+    try:
+        grandchild = int(_wait_for_file(pid_file))
+        assert _alive(proc.pid) and _alive(grandchild)
+        assert sorted(servers.group_members(proc.pid)) == sorted([proc.pid, grandchild])
+        assert servers.stop_process_group(proc, grace_seconds=1.0, kill_seconds=10.0)
+        assert not _alive(proc.pid)
+        assert not _alive(grandchild)
+        assert servers.group_members(proc.pid) == []
+        assert proc.returncode == -9  # SIGTERM was ignored: SIGKILL did it
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+
+
+def test_stop_process_group_of_a_process_that_obeys_sigterm() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True
+    )
+    assert servers.stop_process_group(proc, grace_seconds=30.0)
+    assert proc.returncode == -15
+
+
+def test_live_descendants_lists_children_until_stopped() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True
+    )
+    try:
+        assert proc.pid in servers.live_descendants()
+    finally:
+        servers.stop_process_group(proc)
+    assert proc.pid not in servers.live_descendants()
+
+
+_UNHEALTHY = textwrap.dedent(
+    """
+    import http.server, sys
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(503)
+            self.end_headers()
+        def log_message(self, *args):
+            print("request", *args, flush=True)
+    server = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler)
+    print("serving 503", flush=True)
+    server.serve_forever()
+    """
+)
+
+
+def test_wait_healthy_is_bounded_when_the_server_stays_unhealthy(tmp_path: Path) -> None:
+    (port,) = servers.free_ports(1)
+    log_path = tmp_path / "server.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _UNHEALTHY, str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        with pytest.raises(servers.ServerError) as caught:
+            servers.wait_healthy(
+                f"http://127.0.0.1:{port}/health", proc, timeout=3.0, log_path=log_path, poll=0.2
+            )
+        message = str(caught.value)
+        assert "not healthy after 3 s" in message
+        assert "HTTP 503" in message  # it was answering, just not healthy
+        assert "serving 503" in message  # the log tail comes with the error
+        assert proc.poll() is None  # bounded wait, the process itself was not the problem
+    finally:
+        servers.stop_process_group(proc)
+
+
+def test_wait_healthy_fails_fast_when_the_process_exits(tmp_path: Path) -> None:
+    (port,) = servers.free_ports(1)
+    log_path = tmp_path / "server.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "import sys; print('boom: bad flag', flush=True); sys.exit(3)"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    # A bound far above the test's run time: passing means the exit was noticed, not the bound.
+    with pytest.raises(servers.ServerError) as caught:
+        servers.wait_healthy(f"http://127.0.0.1:{port}/health", proc, 3600.0, log_path, poll=0.1)
+    assert "exited with status 3" in str(caught.value)
+    assert "boom: bad flag" in str(caught.value)
+
+
+# Stand-in for vllm.entrypoints.openai.api_server (see the module docstring). It records the
+# environment it got, starts a child like vLLM's engine core, and answers /health with 200
+# (or exits with status 4 when STUB_FAIL is set).
+_STUB_SERVER = textwrap.dedent(
+    """
+    import argparse, http.server, json, os, subprocess, sys
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model"); parser.add_argument("--host"); parser.add_argument("--port", type=int)
+    args, rest = parser.parse_known_args()
+    if os.environ.get("STUB_FAIL"):
+        print("stub: refusing to start", flush=True)
+        sys.exit(4)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    keys = ("VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT", "VLLM_RPC_BASE_PATH",
+            "UCX_NET_DEVICES", "EXTRA")
+    json.dump({"env": {k: os.environ.get(k) for k in keys}, "args": sys.argv[1:], "child": child.pid,
+               "pgid": os.getpgid(0)}, open(os.environ["STUB_REPORT"], "w"))
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+        def log_message(self, *a):
+            pass
+    http.server.HTTPServer((args.host, args.port), Handler).serve_forever()
+    """
+)
+
+
+def _stub_module_root(tmp_path: Path) -> Path:
+    root = tmp_path / "stub"
+    package = root / "vllm" / "entrypoints" / "openai"
+    package.mkdir(parents=True)
+    for folder in (root / "vllm", root / "vllm" / "entrypoints", package):
+        (folder / "__init__.py").write_text("")
+    (package / "api_server.py").write_text(_STUB_SERVER)
+    return root
+
+
+def test_start_and_stop_a_server(tmp_path: Path) -> None:
+    import json
+
+    report = tmp_path / "report.json"
+    env = {
+        "PYTHONPATH": str(_stub_module_root(tmp_path)),
+        "STUB_REPORT": str(report),
+        "EXTRA": "yes",
+    }
+    starts_before = len(reports.engine_starts())
+    server = servers.VllmServer(
+        "stub", "/models/x", ["--max-model-len", "64"], env, log_dir=tmp_path / "logs"
+    )
+    with server:
+        seen = json.loads(_wait_for_file(report))
+        assert seen["env"]["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+        assert seen["env"]["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(server.side_channel_port)
+        assert seen["env"]["EXTRA"] == "yes"
+        assert seen["env"]["UCX_NET_DEVICES"] == "lo"
+        assert Path(seen["env"]["VLLM_RPC_BASE_PATH"]).is_dir()
+        assert seen["args"][:6] == [
+            "--model",
+            "/models/x",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(server.port),
+        ]
+        assert seen["args"][6:] == ["--max-model-len", "64"]
+        assert seen["pgid"] == server.proc.pid  # its own process group
+        assert server.port != server.side_channel_port
+        assert _alive(seen["child"])
+        assert server.log_path == tmp_path / "logs" / "server-stub.log"
+        assert server.log_path.read_text().startswith("$ ")
+    assert not _alive(server.proc.pid)
+    assert not _alive(seen["child"])
+    assert not Path(seen["env"]["VLLM_RPC_BASE_PATH"]).exists()
+    starts = reports.engine_starts()[starts_before:]
+    assert [s.label for s in starts] == ["server:stub"]
+    assert starts[0].seconds == pytest.approx(server.startup_seconds, abs=0.01)
+
+
+def test_a_server_that_exits_raises_with_its_log_and_is_cleaned_up(tmp_path: Path) -> None:
+    env = {"PYTHONPATH": str(_stub_module_root(tmp_path)), "STUB_FAIL": "1"}
+    server = servers.VllmServer("bad", "/models/x", env=env, log_dir=tmp_path, startup_timeout=3600)
+    with pytest.raises(servers.ServerError, match="exited with status 4") as caught:
+        server.start()
+    assert "stub: refusing to start" in str(caught.value)
+    assert server.proc is not None and server.proc.returncode == 4
+    assert server.group_members_left() == []
+
+
+def test_running_stops_every_server_when_one_fails(tmp_path: Path) -> None:
+    root = _stub_module_root(tmp_path)
+    good = servers.VllmServer(
+        "good",
+        "/m",
+        env={"PYTHONPATH": str(root), "STUB_REPORT": str(tmp_path / "good.json")},
+        log_dir=tmp_path,
+    )
+    bad = servers.VllmServer(
+        "bad", "/m", env={"PYTHONPATH": str(root), "STUB_FAIL": "1"}, log_dir=tmp_path
+    )
+    with pytest.raises(servers.ServerError), servers.running([good, bad]):
+        pytest.fail("the block must not run when a server failed to start")
+    assert good.proc is not None and good.proc.poll() is not None
+    assert good.group_members_left() == []
