@@ -63,7 +63,7 @@ def engine_spec(cell: CellContext, profile: Profile | None = None, **overrides: 
             "harness (from the cell and the weights), not by the profile"
         )
     model, model_args = resolve_model(cell, profile)
-    args = {**engine, **model_args, **cell_engine_args(cell), **overrides}
+    args = {**engine, **model_args, **cell_engine_args(cell, profile), **overrides}
     # The cell's environment (e.g. the conv-state layout) applies to its engines too.
     environment = {**cell.environment, **environment}
     label = f"{profile.name}:{cell.id}"
@@ -81,18 +81,50 @@ def resolve_model(cell: CellContext, profile: Profile) -> tuple[str, dict[str, A
         from glm5_matrix.tiny_hybrid import ensure_model
 
         return str(ensure_model(profile=profile.name)), {}
-    # The profile's config.json with vLLM's dummy weights.
+    # The profile's config.json with random weights: glm5-random (glm5_matrix.weights) unless
+    # vLLM's plain dummy weights were asked for.
     if not profile.config_path.is_file():
         raise UserError(f"profile {profile.name}: no [model] table and no {profile.config_path}")
-    return str(profile.directory), {"load_format": "dummy"}
+    from glm5_matrix.weights import LOAD_FORMAT
+
+    load_format = "dummy" if cell.weights.kind == "dummy" else LOAD_FORMAT
+    return str(profile.directory), {"load_format": load_format}
 
 
-def cell_engine_args(cell: CellContext) -> dict[str, Any]:
-    """Engine args that come from the cell rather than the profile."""
+def cell_engine_args(cell: CellContext, profile: Profile | None = None) -> dict[str, Any]:
+    """Engine args that come from the cell rather than the profile: TP and the MoE backend."""
     args: dict[str, Any] = {}
     if cell.tp is not None and cell.tp > 1:
         args["tensor_parallel_size"] = cell.tp
+    backend = cell.setting("moe_backend")
+    if backend is not None:
+        if profile is None:
+            raise UserError(f"cell {cell.id}: a MoE backend needs the profile's [moe_backends]")
+        args["moe_backend"] = moe_backend_for(profile, backend, gpu_family())
     return args
+
+
+def gpu_family() -> str:
+    """`sm90`, `sm100`, ... of GPU 0 (the MoE backend and the KV dtype depend on it)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    major, _ = torch.cuda.get_device_capability(0)
+    return f"sm{major}0"
+
+
+def moe_backend_for(profile: Profile, axis_value: str, family: str) -> str:
+    """The vLLM `moe_backend` that the matrix's backend axis value means on this GPU family."""
+    table = profile.section("moe_backends").get(axis_value)
+    if not isinstance(table, dict):
+        raise UserError(f"profile {profile.name}: [moe_backends] has no {axis_value!r}")
+    if family not in table:
+        raise UserError(
+            f"profile {profile.name}: [moe_backends].{axis_value} names no backend for {family} "
+            f"(known: {', '.join(sorted(table))})"
+        )
+    return str(table[family])
 
 
 class Engine:
@@ -207,6 +239,12 @@ class Engine:
     def kv_layout(self) -> dict[str, Any]:
         """The KV cache layout of rank 0 as plain data (see worker_kv_layout)."""
         return self.rpc(worker_kv_layout)[0]
+
+    def moe_backends(self) -> dict[str, list[str]]:
+        return self.rpc(worker_moe_backends)[0]
+
+    def scheduler_limits(self) -> dict[str, Any]:
+        return self.rpc(worker_scheduler_limits)[0]
 
     def record_block_tables(self) -> None:
         """From now on, remember every request's block table per KV cache group (rank 0)."""
@@ -337,12 +375,30 @@ def worker_kv_layout(worker: Any) -> dict[str, Any]:
     groups = []
     for group in config.kv_cache_groups:
         spec = group.kv_cache_spec
+        members = dict(getattr(spec, "kv_cache_specs", None) or {})
+        kinds = [spec, *members.values()]
         entry: dict[str, Any] = {
             "spec_class": _qualified(type(spec)),
             "block_size": int(spec.block_size),
             "page_size_bytes": int(spec.page_size_bytes),
             "layer_names": list(group.layer_names),
+            # GLM's kpool tail ring holds one block per request and is never prefix-cached.
+            "prefix_cacheable": not any(
+                type(k).__name__.startswith("CircularBuffer") for k in kinds
+            ),
         }
+        if members:
+            # vLLM 0.33 wraps every group's specs in UniformTypeKVCacheSpecs; the members tell
+            # the kinds apart (GLM's MLA group holds the latent and the indexer keys).
+            entry["member_specs"] = {
+                name: {
+                    "spec_class": _qualified(type(member)),
+                    "page_size_bytes": int(member.page_size_bytes),
+                }
+                for name, member in members.items()
+            }
+            if len({type(m) for m in members.values()}) == 1:
+                spec = next(iter(members.values()))
         if hasattr(spec, "shapes"):
             entry["state_shapes"] = [list(s) for s in spec.shapes]
             entry["state_dtypes"] = [str(d) for d in spec.dtypes]
@@ -447,3 +503,27 @@ def worker_read_pages(worker: Any, layer_blocks: list[tuple[str, int]]) -> list[
                 raise RuntimeError(f"{name}: cache view {tuple(view.shape)} is not block-major")
         pages.append([view[block].float().cpu().numpy().copy() for view in views])
     return pages
+
+
+def worker_moe_backends(worker: Any) -> dict[str, list[str]]:
+    """{FP8 MoE backend vLLM selected (Fp8MoeBackend name): [MoE layers using it]}: what the
+    engine runs, read from the model, not from what was asked."""
+    backends: dict[str, list[str]] = {}
+    runner = _runner(worker)
+    model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+    for name, module in model.named_modules():
+        backend = getattr(getattr(module, "quant_method", None), "fp8_backend", None)
+        if backend is not None:
+            backends.setdefault(getattr(backend, "name", str(backend)), []).append(name)
+    return backends
+
+
+def worker_scheduler_limits(worker: Any) -> dict[str, Any]:
+    config = worker.vllm_config
+    return {
+        "max_num_seqs": int(config.scheduler_config.max_num_seqs),
+        "cache_dtype": str(config.cache_config.cache_dtype),
+        "speculative_tokens": int(
+            config.speculative_config.num_speculative_tokens if config.speculative_config else 0
+        ),
+    }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -141,8 +142,12 @@ def run_variant(session: Any, variant: Variant) -> None:
 
     cell = variant.cell
     if cell.commands:
-        for command in cell.commands:
-            session.run(*command, env=run_env, external=True)
+        for program, *arguments in cell.commands:
+            # The cell's own tools: looked up on the cell's PATH, not on nox's.
+            executable = shutil.which(program, path=run_env.get("PATH"))
+            if executable is None:
+                session.error(f"{program} is not installed in the {variant.env} environment")
+            session.run(executable, *arguments, env=run_env, external=True)
         return
     pytest = [
         str(built.python),

@@ -43,16 +43,26 @@ def layout(engine: Engine) -> dict[str, Any]:
     return engine.kv_layout()
 
 
+def _spec_classes(group: dict[str, Any]) -> set[type]:
+    """The spec classes of a group's layers: vLLM 0.33 wraps every group's specs in
+    UniformTypeKVCacheSpecs, so the members are what tells the kinds apart."""
+    members = group.get("member_specs")
+    if members:
+        return {resolve_class(m["spec_class"]) for m in members.values()}
+    return {resolve_class(group["spec_class"])}
+
+
 def _groups_of(layout: dict[str, Any], spec_name: str) -> list[dict[str, Any]]:
-    """Groups whose spec class IS vLLM's class `spec_name` (identity, not a subclass/name)."""
+    """Groups whose layers' spec class IS vLLM's class `spec_name` (identity, not a name)."""
     from vllm.v1 import kv_cache_interface
 
     wanted = getattr(kv_cache_interface, spec_name)
-    return [g for g in layout["groups"] if resolve_class(g["spec_class"]) is wanted]
+    return [g for g in layout["groups"] if _spec_classes(g) == {wanted}]
 
 
 def _block_size(layout: dict[str, Any]) -> int:
-    sizes = {g["block_size"] for g in layout["groups"]}
+    """The block size of the prefix-cacheable groups (GLM's tail ring has its own, per request)."""
+    sizes = {g["block_size"] for g in layout["groups"] if g.get("prefix_cacheable", True)}
     assert len(sizes) == 1, f"KV groups disagree on the block size: {sorted(sizes)}"
     return sizes.pop()
 
@@ -69,7 +79,12 @@ def _null_block_id() -> int:
     return int(NULL_BLOCK_ID)
 
 
-def test_kv_layout(engine: Engine, profile: Profile, layout: dict[str, Any]) -> None:
+def test_kv_layout(
+    engine: Engine, cell: CellContext, profile: Profile, layout: dict[str, Any]
+) -> None:
+    if "layout" in profile.data:  # GLM-5.3-Flash: the planner predicts every group
+        _check_planned_layout(engine, cell, profile, layout)
+        return
     expect = profile.section("expect")
     mamba = _groups_of(layout, expect["mamba_spec"])
     attention = _groups_of(layout, expect["attention_spec"])
@@ -131,6 +146,92 @@ def test_kv_layout(engine: Engine, profile: Profile, layout: dict[str, Any]) -> 
                     and mine["first_byte"] < storage[a]["end_byte"]
                 ]
                 assert partners, f"{name} shares no bytes with an attention layer: {storage}"
+
+
+def _check_planned_layout(
+    engine: Engine, cell: CellContext, profile: Profile, layout: dict[str, Any]
+) -> None:
+    """GLM-5.3-Flash: {MLA latent + indexer}, the kpool tail ring, one Mamba group per KDA layer
+    sharing the MLA tensor; kinds by class identity; sizes as the layout planner predicts."""
+    from glm5_matrix.engines import gpu_family
+    from glm5_matrix.layout import plan_layout
+
+    expect, planned = profile.section("expect"), profile.section("layout")
+    limits = engine.scheduler_limits()
+    kv_dtype = "fp8" if limits["cache_dtype"].startswith("fp8") else "auto"
+    plan = plan_layout(
+        profile.config(),
+        tp=cell.tp or 1,
+        spec_tokens=limits["speculative_tokens"],
+        kv_cache_dtype=kv_dtype,
+    )
+    kinds = [g["spec_class"] for g in layout["groups"]]
+    mamba = _groups_of(layout, expect["mamba_spec"])
+    tail = _groups_of(layout, expect["tail_spec"])
+    mla = [g for g in layout["groups"] if g not in mamba and g not in tail]
+    assert len(mamba) == len(planned["kda_layers"]), f"Mamba groups: {kinds}"
+    assert len(tail) == 1 and len(mla) == 1, f"expected one tail and one MLA group: {kinds}"
+    from vllm.v1 import kv_cache_interface
+
+    mla_class = getattr(kv_cache_interface, expect["mla_spec"])
+    assert len(mla[0]["layer_names"]) == 2, f"MLA group: latent + indexer keys: {mla[0]}"
+    assert _spec_classes(mla[0]) == {mla_class}, f"MLA group specs: {mla[0]}"
+    planned_groups = {g.kind: g for g in plan.groups}
+    block = plan.block_size
+    print(f"engine groups {kinds}; planner block {block}, tail {planned_groups['tail'].block_size}")
+    assert mla[0]["block_size"] == block, f"MLA block {mla[0]['block_size']} != planned {block}"
+    assert all(g["block_size"] == block for g in mamba), f"Mamba blocks: {mamba}"
+    assert tail[0]["block_size"] == planned_groups["tail"].block_size, f"tail: {tail[0]}"
+    assert mla[0]["page_size_bytes"] == planned_groups["mla"].page_bytes
+    assert all(g["page_size_bytes"] == planned_groups["mamba"].page_bytes for g in mamba)
+    # The published numbers hold where they were measured: SM90, bf16 KV, no speculation.
+    if gpu_family() == "sm90" and kv_dtype == "auto" and limits["speculative_tokens"] == 0:
+        published = profile.section("expect").get("block_size") or {}
+        key = f"tp{cell.tp or 1}"
+        if key in published:
+            assert block == published[key], f"planner {block} != published {published[key]}"
+    # The KDA pages live in the MLA latent's tensor.
+    storage = layout["storage"]
+    for group in mamba:
+        for name in group["layer_names"]:
+            mine = storage[name]
+            assert any(storage[a]["storage"] == mine["storage"] for a in mla[0]["layer_names"]), (
+                f"{name} does not share the MLA tensor: {storage}"
+            )
+
+
+def test_moe_backend_is_the_one_asked(engine: Engine, cell: CellContext, profile: Profile) -> None:
+    """The backend axis means something only if the engine runs the backend the cell asked."""
+    asked = engine.spec.args.get("moe_backend")
+    if asked is None:
+        pytest.skip(f"cell {cell.id} has no MoE backend axis")
+    wanted = profile.section("moe_backends").get("selected", {}).get(asked)
+    used = engine.moe_backends()
+    print(f"moe_backend={asked}: engine runs {sorted(used)}")
+    assert used, "no FP8 MoE layer found in the model"
+    assert set(used) == {wanted}, f"asked {asked} (-> {wanted}), engine runs {sorted(used)}"
+
+
+def test_default_max_num_seqs(engine: Engine, profile: Profile, layout: dict[str, Any]) -> None:
+    """vLLM's default max_num_seqs (1024 on large GPUs at TP1) starts and generates; it once
+    overflowed the KDA kernel's grid at 64 heads (vllm-project/vllm#56973)."""
+    if "max_num_seqs" in engine.spec.args:
+        pytest.skip(f"profile {profile.name} sets max_num_seqs itself")
+    from vllm.engine.arg_utils import EngineArgs
+
+    # What vLLM's defaults give for these arguments on this machine, computed in this process.
+    from vllm.usage.usage_lib import UsageContext
+
+    # The LLM class's defaults (not the server's), as the engine got them.
+    config = EngineArgs(model=engine.spec.model, **engine.spec.args).create_engine_config(
+        usage_context=UsageContext.LLM_CLASS
+    )
+    default = int(config.scheduler_config.max_num_seqs)
+    limits = engine.scheduler_limits()
+    print(f"max_num_seqs: engine {limits['max_num_seqs']}, vLLM's default here {default}")
+    assert limits["max_num_seqs"] == default
+    tokens, _ = engine.generate_greedy(_prompt(profile, engine, 64), 4)
+    assert len(tokens) == 4
 
 
 def _aligned_block_size(engine: Engine, backend_name: str) -> tuple[int, int, type]:
@@ -236,3 +337,34 @@ def _boundary_pages(
                 keys.append(f"group{index}/{layer}@{boundary}")
     pages = engine.read_pages(wanted)
     return dict(zip(keys, pages, strict=True))
+
+
+def test_mtp_matches_target_only(engine: Engine, cell: CellContext, profile: Profile) -> None:
+    """The MTP drafter loads, and greedy output with it equals the target-only run (greedy
+    speculative decoding is lossless). Last in the module: it stops the shared engine first,
+    so that two engines are never alive at once in this process."""
+    mtp = profile.section("mtp")
+    if not mtp:
+        pytest.skip(f"profile {profile.name} has no MTP drafter")
+    prompts = profile.section("prompts")
+    prompt = _prompt(profile, engine, 512)
+    target, _ = engine.generate_greedy(prompt, int(prompts["max_tokens"]))
+    compare.assert_varies(
+        target, int(profile.section("tolerances")["min_distinct_tokens"]), "target-only output"
+    )
+    engine.shutdown()
+    speculative = {"method": "mtp", "num_speculative_tokens": int(mtp["num_speculative_tokens"])}
+    with Engine(engine_spec(cell, profile, speculative_config=speculative)) as drafted:
+        assert (
+            drafted.scheduler_limits()["speculative_tokens"]
+            == speculative["num_speculative_tokens"]
+        )
+        with_mtp, _ = drafted.generate_greedy(prompt, int(prompts["max_tokens"]))
+    matched = next(
+        (i for i, (a, b) in enumerate(zip(target, with_mtp, strict=True)) if a != b), len(target)
+    )
+    print(f"MTP vs target-only: first {matched} of {len(target)} greedy tokens equal")
+    bound = int(mtp["matching_prefix_tokens"])
+    assert matched >= bound, (
+        f"MTP changed greedy output after {matched} tokens (bound {bound}):\n{target}\n{with_mtp}"
+    )
