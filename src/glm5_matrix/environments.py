@@ -193,16 +193,10 @@ def install_command(
 ) -> tuple[list[str], list[Path]]:
     """The `uv pip install` command for a venv, and the temporary files it reads."""
     command = [uv_executable(), "pip", "install", "--python", str(python)]
-    temporary: list[Path] = []
     if constraints is not None:
         command += ["--constraints", str(constraints)]
-    if env.excludes:
-        temporary.append(_write_lines(env.excludes))
-        command += ["--excludes", str(temporary[-1])]
-    for link in env.find_links:
-        command += ["--find-links", link]
-    for url in env.index_urls:
-        command += ["--extra-index-url", url]
+    sources, temporary = _resolution_options(env)
+    command += sources
     command += list(env.requirements)
     if override is not None:
         command += (
@@ -311,15 +305,8 @@ def lock_command(env: EnvDefinition, output: Path) -> tuple[list[str], list[Path
         str(output),
         str(inputs),
     ]
-    temporary = [inputs]
-    if env.excludes:
-        temporary.append(_write_lines(env.excludes))
-        command += ["--excludes", str(temporary[-1])]
-    for link in env.find_links:
-        command += ["--find-links", link]
-    for url in env.index_urls:
-        command += ["--extra-index-url", url]
-    return command, temporary
+    sources, temporary = _resolution_options(env)
+    return command + sources, [inputs, *temporary]
 
 
 def lock(env: EnvDefinition, run: Any = None) -> Path:
@@ -342,6 +329,21 @@ def lock(env: EnvDefinition, run: Any = None) -> Path:
         for path in temporary:
             path.unlink(missing_ok=True)
     return target
+
+
+def _resolution_options(env: EnvDefinition) -> tuple[list[str], list[Path]]:
+    """What install and compile share: excluded packages and where packages come from; the
+    excludes go through a temporary file, returned for the caller to remove."""
+    options: list[str] = []
+    temporary: list[Path] = []
+    if env.excludes:
+        temporary.append(_write_lines(env.excludes))
+        options += ["--excludes", str(temporary[-1])]
+    for link in env.find_links:
+        options += ["--find-links", link]
+    for url in env.index_urls:
+        options += ["--extra-index-url", url]
+    return options, temporary
 
 
 def _write_lines(lines: tuple[str, ...] | list[str], suffix: str = ".txt") -> Path:
