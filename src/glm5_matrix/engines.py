@@ -16,7 +16,6 @@ Only what the CPU cell needs is implemented; the GPU GLM profile plugs in throug
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import os
 import shutil
@@ -27,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from glm5_matrix import processes
 from glm5_matrix.context import CellContext
 from glm5_matrix.errors import UserError
 from glm5_matrix.profiles import Profile, load_profile
@@ -149,7 +149,7 @@ class Engine:
         self.shutdown()
 
     def start(self) -> None:
-        self._children_before = set(child_pids())
+        self._children_before = set(processes.live_descendants())
         self._scratch = Path(tempfile.mkdtemp(prefix="glm5-matrix-engine-"))
         rpc_dir = self._scratch / "rpc"
         rpc_dir.mkdir()
@@ -189,7 +189,9 @@ class Engine:
                     engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
                 del llm
         finally:
-            self.leftover_processes = reap_children(self._children_before, SHUTDOWN_TIMEOUT_S)
+            self.leftover_processes = processes.reap_descendants(
+                self._children_before, SHUTDOWN_TIMEOUT_S
+            )
             for name, value in self._saved_environment.items():
                 if value is None:
                     os.environ.pop(name, None)
@@ -278,76 +280,6 @@ def resolve_class(qualified_name: str) -> type:
 
 
 # --- child processes ---------------------------------------------------------------------------
-
-
-def child_pids() -> list[int]:
-    """All live descendants of this process."""
-    try:
-        import psutil
-    except ImportError:  # pragma: no cover - psutil ships with vLLM's environments
-        return _child_pids_from_proc(os.getpid())
-    return [p.pid for p in psutil.Process().children(recursive=True) if _alive(p)]
-
-
-def _alive(process: Any) -> bool:
-    import psutil
-
-    try:
-        return bool(process.status() != psutil.STATUS_ZOMBIE)
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _child_pids_from_proc(root: int) -> list[int]:
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                stat = (entry / "stat").read_text()
-                fields = stat.rsplit(")", 1)[1].split()
-                if fields[0] != "Z":
-                    parents[int(entry.name)] = int(fields[1])
-    found: list[int] = []
-    frontier = [root]
-    while frontier:
-        parent = frontier.pop()
-        kids = [pid for pid, ppid in parents.items() if ppid == parent]
-        found.extend(kids)
-        frontier.extend(kids)
-    return found
-
-
-def stdlib_helper_pids() -> set[int]:
-    """Python's multiprocessing resource tracker: started by the first spawn and kept for the
-    life of the interpreter by design; it is not an engine process."""
-    from multiprocessing import resource_tracker
-
-    pid = getattr(resource_tracker._resource_tracker, "_pid", None)
-    return {pid} if pid else set()
-
-
-def reap_children(before: set[int], timeout: float) -> list[str]:
-    """Wait up to `timeout` for children started after `before` to exit; kill any left (by id)
-    and return their descriptions, so the caller can fail on them."""
-    deadline = time.monotonic() + timeout
-    while True:
-        new = set(child_pids()) - before - stdlib_helper_pids()
-        if not new or time.monotonic() >= deadline:
-            break
-        time.sleep(0.2)
-    leftovers = []
-    for pid in sorted(new):
-        leftovers.append(f"pid {pid}: {_cmdline(pid)}")
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, 9)
-    return leftovers
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
-    except OSError:
-        return "?"
 
 
 # --- worker-side functions (run inside vLLM's worker processes via collective_rpc) -------------

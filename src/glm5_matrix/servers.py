@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from glm5_matrix import reports
+from glm5_matrix import processes, reports
 
 HOST = "127.0.0.1"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -78,89 +77,6 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     except FileNotFoundError:
         return "(no log)"
     return "\n".join(text.splitlines()[-lines:])
-
-
-def _proc_stat(pid: int) -> tuple[str, int, int] | None:
-    """(state, ppid, pgrp) of a live process from /proc, or None when it is gone."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    # The command name (field 2) is in parentheses and may hold spaces: split after it.
-    fields = raw[raw.rfind(")") + 2 :].split()
-    return fields[0], int(fields[1]), int(fields[2])
-
-
-def _all_pids() -> list[int]:
-    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of process group `pgid`."""
-    if not Path("/proc").is_dir():  # not Linux: ask the kernel whether the group has anyone
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return []
-        except PermissionError:
-            pass
-        return [pgid]
-    members = []
-    for pid in _all_pids():
-        stat = _proc_stat(pid)
-        if stat is not None and stat[2] == pgid and stat[0] != "Z":
-            members.append(pid)
-    return members
-
-
-def live_descendants(pid: int | None = None) -> list[int]:
-    """Live (non-zombie) descendants of `pid` (default: this process), from /proc."""
-    root = os.getpid() if pid is None else pid
-    children: dict[int, list[int]] = {}
-    states: dict[int, str] = {}
-    for candidate in _all_pids():
-        stat = _proc_stat(candidate)
-        if stat is None:
-            continue
-        states[candidate] = stat[0]
-        children.setdefault(stat[1], []).append(candidate)
-    found, todo = [], list(children.get(root, []))
-    while todo:
-        child = todo.pop()
-        if states.get(child) != "Z":
-            found.append(child)
-        todo += children.get(child, [])
-    return sorted(found)
-
-
-def stop_process_group(
-    proc: subprocess.Popen[Any], grace_seconds: float = 20.0, kill_seconds: float = 10.0
-) -> bool:
-    """SIGTERM the process group led by `proc`, wait up to `grace_seconds` for every member,
-    then SIGKILL what is left. Returns True when the group was empty in the end.
-
-    `proc` must have been started with start_new_session=True (its pid is its group id).
-    """
-    pgid = proc.pid
-
-    def wait_empty(seconds: float) -> bool:
-        deadline = time.monotonic() + seconds
-        while True:
-            proc.poll()  # reap the leader, or it stays a zombie member of the group
-            if not group_members(pgid):
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.1)
-
-    for sig, seconds in ((signal.SIGTERM, grace_seconds), (signal.SIGKILL, kill_seconds)):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, sig)
-        if wait_empty(seconds):
-            break
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=1)
-    return not group_members(pgid)
 
 
 class VllmServer:
@@ -270,14 +186,14 @@ class VllmServer:
 
     def stop(self) -> None:
         if self.proc is not None:
-            stop_process_group(self.proc, grace_seconds=self.stop_grace)
+            processes.stop_process_group(self.proc, grace_seconds=self.stop_grace)
         if self._rpc_dir is not None:
             shutil.rmtree(self._rpc_dir, ignore_errors=True)
             self._rpc_dir = None
 
     def group_members_left(self) -> list[int]:
         """Live processes of this server's process group (empty once it is stopped)."""
-        return [] if self.proc is None else group_members(self.proc.pid)
+        return [] if self.proc is None else processes.group_members(self.proc.pid)
 
     def __enter__(self) -> VllmServer:
         return self.start()

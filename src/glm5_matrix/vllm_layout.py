@@ -110,6 +110,23 @@ class VllmLayoutProbe:
         )
 
 
+def gpu_less_vllm_config(
+    model_config: Any, cache_config: Any, parallel_config: Any, speculative_config: Any
+) -> Any:
+    """A real VllmConfig on a machine without a GPU. vLLM's default device inference needs a GPU;
+    config-level code (aligners, KV specs, metadata builders) runs on the CPU device and
+    allocates no device memory."""
+    from vllm.config import DeviceConfig, VllmConfig
+
+    return VllmConfig(
+        model_config=model_config,
+        cache_config=cache_config,
+        parallel_config=parallel_config,
+        speculative_config=speculative_config,
+        device_config=DeviceConfig(device="cpu"),
+    )
+
+
 def _compute(
     model_config: Any,
     parallel_config: Any,
@@ -119,20 +136,15 @@ def _compute(
 ) -> VllmLayout:
     import torch
     import vllm
-    from vllm.config import CacheConfig, DeviceConfig, VllmConfig
+    from vllm.config import CacheConfig
     from vllm.config.vllm import set_current_vllm_config
     from vllm.model_executor.models import ModelRegistry
     from vllm.platforms.interface import Platform
     from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec, get_kv_quant_mode
 
     cache_config = CacheConfig(block_size=block_size, cache_dtype=kv_cache_dtype)
-    vllm_config = VllmConfig(
-        model_config=model_config,
-        cache_config=cache_config,
-        parallel_config=parallel_config,
-        speculative_config=speculative_config,
-        # The default device inference needs a GPU; nothing below allocates device memory.
-        device_config=DeviceConfig(device="cpu"),
+    vllm_config = gpu_less_vllm_config(
+        model_config, cache_config, parallel_config, speculative_config
     )
     cache_config = vllm_config.cache_config
     text = model_config.hf_text_config

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
+from glm5_matrix import processes
 from glm5_matrix.context import CellContext, current
 from glm5_matrix.profiles import Profile, load_profile
 
@@ -18,3 +21,13 @@ def profile(cell: CellContext) -> Profile:
     if cell.profile is None:
         pytest.fail(f"cell {cell.id} names no profile, but its suite needs one")
     return load_profile(cell.profile)
+
+
+@pytest.fixture(scope="module")
+def no_surviving_children() -> Iterator[None]:
+    """Used first by suites that start engines or servers, so it is torn down last: once the
+    module's engines and servers are stopped, no process they started may be left."""
+    before = set(processes.live_descendants())
+    yield
+    left = sorted(processes.new_descendants(before))
+    assert not left, f"processes left behind: {[processes.cmdline(pid) for pid in left]}"

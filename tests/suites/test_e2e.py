@@ -13,19 +13,10 @@ import pytest
 
 from glm5_matrix import compare
 from glm5_matrix.context import CellContext
-from glm5_matrix.engines import Engine, child_pids, engine_spec, resolve_class, stdlib_helper_pids
+from glm5_matrix.engines import Engine, engine_spec, resolve_class
 from glm5_matrix.profiles import Profile
 
-pytestmark = pytest.mark.engine
-
-
-@pytest.fixture(scope="module", autouse=True)
-def no_surviving_children() -> Iterator[None]:
-    """After the module (engine torn down last but this), no process it started may survive."""
-    before = set(child_pids())
-    yield
-    survivors = set(child_pids()) - before - stdlib_helper_pids()
-    assert not survivors, f"child processes survived the suite: {sorted(survivors)}"
+pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("no_surviving_children")]
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +177,7 @@ def _check_planned_layout(
     assert all(g["page_size_bytes"] == planned_groups["mamba"].page_bytes for g in mamba)
     # The published numbers hold where they were measured: SM90, bf16 KV, no speculation.
     if gpu_family() == "sm90" and kv_dtype == "auto" and limits["speculative_tokens"] == 0:
-        published = profile.section("expect").get("block_size") or {}
+        published = expect.get("block_size") or {}
         key = f"tp{cell.tp or 1}"
         if key in published:
             assert block == published[key], f"planner {block} != published {published[key]}"

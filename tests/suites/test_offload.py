@@ -17,7 +17,7 @@ from glm5_matrix.engines import Engine, engine_spec
 from glm5_matrix.layout import LayoutPlan, plan_layout
 from glm5_matrix.profiles import Profile
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("no_surviving_children")]
 
 CONNECTORS = {"simple": "SimpleCPUOffloadConnector", "offloading": "OffloadingConnector"}
 

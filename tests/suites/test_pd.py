@@ -30,7 +30,7 @@ from glm5_matrix.context import CellContext
 from glm5_matrix.engines import engine_spec
 from glm5_matrix.profiles import Profile
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("no_surviving_children")]
 
 SERVED_MODEL = "pd-model"  # one name on every server, so requests read the same on P and D
 CONNECTORS = {"nixl": "NixlConnector"}
@@ -136,16 +136,6 @@ def _prompt(model: str, length: int, seed: int) -> list[int]:
     vocab_size = vocab.get("vocab_size") or vocab["text_config"]["vocab_size"]
     rng = random.Random(seed)
     return [rng.randrange(vocab_size) for _ in range(length)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def no_process_survives() -> Iterator[None]:
-    """Set up first, torn down last: after every server of this module is stopped, no child
-    process of the test process may be left."""
-    before = set(servers.live_descendants())
-    yield
-    left = sorted(set(servers.live_descendants()) - before)
-    assert not left, f"processes left behind by the pd suite: {left}"
 
 
 @pytest.fixture(scope="module")

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from glm5_matrix import reports, servers
+from glm5_matrix import processes, reports, servers
 
 
 def _alive(pid: int) -> bool:
-    stat = servers._proc_stat(pid)
+    stat = processes.proc_stat(pid)
     return stat is not None and stat[0] != "Z"
 
 
@@ -86,11 +86,11 @@ def test_stop_process_group_kills_child_and_grandchild(tmp_path: Path) -> None:
     try:
         grandchild = int(_wait_for_file(pid_file))
         assert _alive(proc.pid) and _alive(grandchild)
-        assert sorted(servers.group_members(proc.pid)) == sorted([proc.pid, grandchild])
-        assert servers.stop_process_group(proc, grace_seconds=1.0, kill_seconds=10.0)
+        assert sorted(processes.group_members(proc.pid)) == sorted([proc.pid, grandchild])
+        assert processes.stop_process_group(proc, grace_seconds=1.0, kill_seconds=10.0)
         assert not _alive(proc.pid)
         assert not _alive(grandchild)
-        assert servers.group_members(proc.pid) == []
+        assert processes.group_members(proc.pid) == []
         assert proc.returncode == -9  # SIGTERM was ignored: SIGKILL did it
     finally:
         if proc.poll() is None:
@@ -102,7 +102,7 @@ def test_stop_process_group_of_a_process_that_obeys_sigterm() -> None:
     proc = subprocess.Popen(
         [sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True
     )
-    assert servers.stop_process_group(proc, grace_seconds=30.0)
+    assert processes.stop_process_group(proc, grace_seconds=30.0)
     assert proc.returncode == -15
 
 
@@ -111,10 +111,10 @@ def test_live_descendants_lists_children_until_stopped() -> None:
         [sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True
     )
     try:
-        assert proc.pid in servers.live_descendants()
+        assert proc.pid in processes.live_descendants()
     finally:
-        servers.stop_process_group(proc)
-    assert proc.pid not in servers.live_descendants()
+        processes.stop_process_group(proc)
+    assert proc.pid not in processes.live_descendants()
 
 
 _UNHEALTHY = textwrap.dedent(
@@ -154,7 +154,7 @@ def test_wait_healthy_is_bounded_when_the_server_stays_unhealthy(tmp_path: Path)
         assert "serving 503" in message  # the log tail comes with the error
         assert proc.poll() is None  # bounded wait, the process itself was not the problem
     finally:
-        servers.stop_process_group(proc)
+        processes.stop_process_group(proc)
 
 
 def test_wait_healthy_fails_fast_when_the_process_exits(tmp_path: Path) -> None:
