@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 
 def assert_varies(tokens: Sequence[int], min_distinct: int, what: str = "output") -> None:
@@ -114,3 +115,96 @@ def matched_logprob_deltas(
             break
         deltas.append(abs(float(la) - float(lb)))
     return deltas
+
+
+class Scored(Protocol):
+    """A greedy output with its scores: an offline engine's or a server's completion."""
+
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+    @property
+    def logprobs(self) -> Sequence[float]: ...  # the chosen token's logprob per step
+    @property
+    def top_logprobs(self) -> Sequence[Mapping[int, float]]: ...  # top candidates per step
+
+
+@dataclass(frozen=True)
+class GreedyOutput:
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]]
+    cached_tokens: int | None = None  # prompt tokens served from the prefix cache
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """How far two greedy outputs of the same prompt agree."""
+
+    matched: int  # equal leading tokens
+    total: int
+    worst_logprob_delta: float  # over the matched tokens
+    parting_gaps: (
+        tuple[float, float] | None
+    )  # where they part: each side's gap to the other's token
+
+    def describe(self) -> str:
+        text = f"{self.matched} of {self.total} tokens equal, max |logprob delta| "
+        text += f"{self.worst_logprob_delta:.4f}"
+        if self.parting_gaps is not None:
+            text += f"; they part at a near-tie (gaps {self.parting_gaps[0]:.4f} / "
+            text += f"{self.parting_gaps[1]:.4f})"
+        return text
+
+
+def check_greedy_agreement(
+    a: Scored,
+    b: Scored,
+    *,
+    min_matched: int,
+    logprob_abs: float,
+    names: tuple[str, str] = ("a", "b"),
+) -> Agreement:
+    """Check that two greedy runs of one prompt agree up to rounding, as vLLM's own
+    check_logprobs_close does: equal tokens with close logprobs, and where they part (if they
+    do), a near-tie on both sides: each side's token is among the other's top candidates, within
+    `logprob_abs` of the other's choice. Two runs that differ by more than rounding (another
+    state, another group's page) part at a clear winner and fail here.
+
+    `min_matched` equal leading tokens are required in any case. Raises AssertionError saying
+    which rule broke; returns the agreement for the caller to print.
+    """
+    total = min(len(a.token_ids), len(b.token_ids))
+    if len(a.token_ids) != len(b.token_ids):
+        raise AssertionError(
+            f"{names[0]} has {len(a.token_ids)} tokens, {names[1]} {len(b.token_ids)}"
+        )
+    deltas = matched_logprob_deltas(a.token_ids, a.logprobs, b.token_ids, b.logprobs)
+    matched = len(deltas)
+    shown = f"\n{names[0]}: {list(a.token_ids)}\n{names[1]}: {list(b.token_ids)}"
+    if matched < min_matched:
+        raise AssertionError(f"only {matched} leading tokens equal, < {min_matched}:{shown}")
+    worst = max(deltas, default=0.0)
+    if worst > logprob_abs:
+        step = deltas.index(worst)
+        raise AssertionError(
+            f"step {step}: same token, |logprob delta| {worst:.4f} > {logprob_abs}:{shown}"
+        )
+    if matched == total:
+        return Agreement(matched, total, worst, None)
+    gaps = []
+    for (name, run), other in zip(((names[0], a), (names[1], b)), (b, a), strict=True):
+        top = run.top_logprobs[matched]
+        chosen, rival = run.token_ids[matched], other.token_ids[matched]
+        if rival not in top:
+            raise AssertionError(
+                f"step {matched}: {name}'s top {len(top)} {dict(top)} lacks the other side's "
+                f"token {rival}: not a near-tie{shown}"
+            )
+        gap = float(top[chosen]) - float(top[rival])
+        if gap > logprob_abs:
+            raise AssertionError(
+                f"step {matched}: {name} prefers {chosen} over {rival} by {gap:.4f} > "
+                f"{logprob_abs}: not a near-tie{shown}"
+            )
+        gaps.append(gap)
+    return Agreement(matched, total, worst, (gaps[0], gaps[1]))

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from glm5_matrix import processes
+from glm5_matrix.compare import GreedyOutput
 from glm5_matrix.context import CellContext
 from glm5_matrix.errors import UserError
 from glm5_matrix.profiles import Profile, load_profile
@@ -228,6 +229,36 @@ class Engine:
             return tokens, None
         chosen = [step[token].logprob for token, step in zip(tokens, output.logprobs, strict=True)]
         return tokens, chosen
+
+    def generate_scored(self, prompt: Sequence[int], max_tokens: int, top: int) -> GreedyOutput:
+        """Greedy tokens with the chosen token's logprob and the `top` best candidates per step
+        (what compare.check_greedy_agreement needs to tell rounding from a real difference)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=top
+        )
+        request = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(prompt))], params, use_tqdm=False
+        )[0]
+        output = request.outputs[0]
+        tokens = list(output.token_ids)
+        steps = [{int(t): float(lp.logprob) for t, lp in step.items()} for step in output.logprobs]
+        chosen = [step[token] for token, step in zip(tokens, steps, strict=True)]
+        return GreedyOutput(tokens, chosen, steps, int(request.num_cached_tokens or 0))
+
+    def counters(self) -> dict[str, float]:
+        """vLLM's counters and vectors (summed) by name, e.g. vllm:spec_decode_num_drafts.
+        Needs the engine built with disable_log_stats=False."""
+        totals: dict[str, float] = {}
+        for metric in self.llm.get_metrics():
+            value = getattr(metric, "value", None)
+            if value is None and hasattr(metric, "values"):
+                value = sum(metric.values)
+            if isinstance(value, (int, float)):
+                totals[metric.name] = totals.get(metric.name, 0.0) + float(value)
+        return totals
 
     def reset_prefix_cache(self) -> bool:
         return bool(self.llm.reset_prefix_cache())

@@ -18,6 +18,9 @@ from glm5_matrix.profiles import Profile
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("no_surviving_children")]
 
+# Candidates per step kept for the near-tie rule where two greedy runs part.
+TOP_LOGPROBS = 5
+
 
 @pytest.fixture(scope="module")
 def engine(cell: CellContext, profile: Profile) -> Iterator[Engine]:
@@ -246,17 +249,31 @@ def _torch_dtype(name: str) -> Any:
 def test_greedy_reproducible_across_block_boundary(
     engine: Engine, profile: Profile, layout: dict[str, Any]
 ) -> None:
+    """A prompt longer than one block, run cold and then again from the cached block-boundary
+    state, gives the same greedy output, up to the profile's rounding rule: they may part only at
+    a near-tie (compare.check_greedy_agreement, as vLLM's own check_logprobs_close)."""
     prompts, tolerances = profile.section("prompts"), profile.section("tolerances")
     block = _block_size(layout)
     length = int(prompts["long_blocks"] * block)
     assert length > block, f"prompt of {length} tokens does not cross a {block}-token block"
     prompt = _prompt(profile, engine, length)
+    max_tokens = int(prompts["max_tokens"])
     assert engine.reset_prefix_cache()
-    cold, _ = engine.generate_greedy(prompt, int(prompts["max_tokens"]))
-    compare.assert_varies(cold, int(tolerances["min_distinct_tokens"]), "greedy output")
-    # The repeat may start from the cached block-boundary state (prefix cache hit).
-    again, _ = engine.generate_greedy(prompt, int(prompts["max_tokens"]))
-    assert again == cold, f"greedy output changed on repeat:\n{cold}\n{again}"
+    cold = engine.generate_scored(prompt, max_tokens, TOP_LOGPROBS)
+    compare.assert_varies(cold.token_ids, int(tolerances["min_distinct_tokens"]), "greedy output")
+    # The repeat starts from the cached block-boundary state (prefix cache hit).
+    again = engine.generate_scored(prompt, max_tokens, TOP_LOGPROBS)
+    assert again.cached_tokens and again.cached_tokens >= block, (
+        f"the repeat reused {again.cached_tokens} cached tokens, not a whole {block}-token block"
+    )
+    agreement = compare.check_greedy_agreement(
+        cold,
+        again,
+        min_matched=int(tolerances["repeat_matching_prefix_tokens"]),
+        logprob_abs=float(tolerances["repeat_logprob_abs"]),
+        names=("cold", "repeat"),
+    )
+    print(f"cold vs repeat from the cached boundary: {agreement.describe()}")
 
 
 def test_prefill_checkpoint_pages(engine: Engine, profile: Profile, layout: dict[str, Any]) -> None:

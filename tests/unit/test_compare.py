@@ -101,3 +101,49 @@ def test_matched_logprob_deltas_edge_cases() -> None:
     assert compare.matched_logprob_deltas([1, 2], [-1.0, -2.0], [1], [-1.5]) == [0.5]
     with pytest.raises(ValueError, match="2 tokens but 1 logprobs"):
         compare.matched_logprob_deltas([1, 2], [-1.0], [1, 2], [-1.0, -2.0])
+
+
+def _run(tokens: list[int], top: list[dict[int, float]]) -> compare.GreedyOutput:
+    return compare.GreedyOutput(tokens, [step[t] for t, step in zip(tokens, top, strict=True)], top)
+
+
+def test_greedy_agreement_equal_outputs() -> None:
+    top = [{5: -0.1, 6: -2.0}, {7: -0.5, 8: -1.5}]
+    agreement = compare.check_greedy_agreement(
+        _run([5, 7], top), _run([5, 7], top), min_matched=2, logprob_abs=0.0
+    )
+    assert (agreement.matched, agreement.total, agreement.parting_gaps) == (2, 2, None)
+
+
+def test_greedy_agreement_accepts_parting_at_a_near_tie() -> None:
+    a = _run([5, 7, 1], [{5: -0.1}, {7: -0.70, 8: -0.71}, {1: -0.2}])
+    b = _run([5, 8, 2], [{5: -0.12}, {8: -0.69, 7: -0.70}, {2: -0.3}])
+    agreement = compare.check_greedy_agreement(a, b, min_matched=1, logprob_abs=0.05)
+    assert agreement.matched == 1
+    assert agreement.parting_gaps is not None
+    assert [round(g, 3) for g in agreement.parting_gaps] == [0.01, 0.01]
+    assert "near-tie" in agreement.describe()
+
+
+def test_greedy_agreement_rejects_a_clear_winner_at_the_parting_step() -> None:
+    a = _run([5, 7], [{5: -0.1}, {7: -0.1, 8: -3.0}])
+    b = _run([5, 8], [{5: -0.1}, {8: -0.1, 7: -3.0}])
+    with pytest.raises(AssertionError, match=r"prefers 7 over 8 by 2\.9"):
+        compare.check_greedy_agreement(a, b, min_matched=1, logprob_abs=0.1)
+
+
+def test_greedy_agreement_rejects_a_token_outside_the_other_top() -> None:
+    a = _run([5, 7], [{5: -0.1}, {7: -0.1, 9: -0.2}])
+    b = _run([5, 8], [{5: -0.1}, {8: -0.1, 7: -0.15}])
+    with pytest.raises(AssertionError, match="lacks the other side's token 8"):
+        compare.check_greedy_agreement(a, b, min_matched=1, logprob_abs=0.1)
+
+
+def test_greedy_agreement_rejects_short_prefix_and_drifting_logprobs() -> None:
+    a = _run([5, 7], [{5: -0.1}, {7: -0.1, 8: -0.1}])
+    b = _run([5, 8], [{5: -0.1}, {8: -0.1, 7: -0.1}])
+    with pytest.raises(AssertionError, match="only 1 leading tokens equal, < 2"):
+        compare.check_greedy_agreement(a, b, min_matched=2, logprob_abs=1.0)
+    drift = _run([5, 7], [{5: -0.9}, {7: -0.1}])
+    with pytest.raises(AssertionError, match=r"step 0: same token, \|logprob delta\| 0.8000"):
+        compare.check_greedy_agreement(a, drift, min_matched=1, logprob_abs=0.5)
