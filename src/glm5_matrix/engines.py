@@ -420,36 +420,60 @@ def _span(tensor: Any) -> tuple[int, int, int]:
 
 
 def worker_start_block_recorder(worker: Any) -> None:
-    """Wrap the runner's per-step state update to remember each request's block table.
+    """Wrap the worker's per-step `execute_model(scheduler_output)` to remember each request's
+    block table per KV cache group.
 
     Why: a request's block ids live only in the scheduler and, while it runs, in the runner;
-    the checkpoint-page check needs them after the request finished. Reading is all it does.
+    the checkpoint-page check needs them after the request finished. The tables are rebuilt
+    from the scheduler's output by the rule both of vLLM's GPU runners apply (SchedulerOutput:
+    new requests bring their table, running ones append their new blocks, resumed ones
+    replace), so the recorder reads no runner internals. Reading is all it does.
     """
-    runner = _runner(worker)
-    if not hasattr(runner, "_update_states") or not hasattr(runner, "requests"):
-        raise RuntimeError(f"{type(runner).__name__}: no _update_states/requests to record from")
-    if getattr(runner, "_glm5_block_records", None) is not None:
+    target = getattr(worker, "worker", worker)  # the worker behind a WorkerWrapperBase
+    if getattr(target, "_glm5_block_records", None) is not None:
         return
-    runner._glm5_block_records = {}
-    original = runner._update_states
+    records: dict[str, list[list[list[int]]]] = {}
+    target._glm5_block_records = records
+    original = target.execute_model
 
-    def update_states(scheduler_output: Any) -> Any:
-        result = original(scheduler_output)
-        for req_id, state in runner.requests.items():
-            table = [list(ids) for ids in state.block_ids]
-            history = runner._glm5_block_records.setdefault(req_id, [])
-            if not history or history[-1] != table:
-                history.append(table)
-        return result
+    def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        record_block_tables(records, scheduler_output)
+        return original(scheduler_output, *args, **kwargs)
 
-    runner._update_states = update_states
+    target.execute_model = execute_model
+
+
+def record_block_tables(records: dict[str, list[list[list[int]]]], scheduler_output: Any) -> None:
+    """Apply one step's block-table changes to `records` ({request: [table per change]})."""
+    for new in scheduler_output.scheduled_new_reqs:
+        _record(records, new.req_id, [list(ids) for ids in new.block_ids])
+    cached = scheduler_output.scheduled_cached_reqs
+    resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
+    for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+        if new_ids is None:
+            continue
+        history = records.get(req_id)
+        if req_id in resumed or not history:
+            _record(records, req_id, [list(ids) for ids in new_ids])
+        else:
+            _record(
+                records,
+                req_id,
+                [old + list(ids) for old, ids in zip(history[-1], new_ids, strict=True)],
+            )
+
+
+def _record(records: dict[str, list[list[list[int]]]], req_id: str, table: list[list[int]]) -> None:
+    history = records.setdefault(req_id, [])
+    if not history or history[-1] != table:
+        history.append(table)
 
 
 def worker_recorded_block_tables(worker: Any, clear: bool) -> dict[str, list[list[list[int]]]]:
-    runner = _runner(worker)
-    records = dict(getattr(runner, "_glm5_block_records", None) or {})
-    if clear and getattr(runner, "_glm5_block_records", None) is not None:
-        runner._glm5_block_records.clear()
+    live = getattr(getattr(worker, "worker", worker), "_glm5_block_records", None)
+    records = dict(live or {})
+    if clear and live is not None:
+        live.clear()
     return records
 
 

@@ -1,0 +1,86 @@
+"""glm5_matrix.engines without vLLM: the block-table recorder's rule, the MoE backend mapping and
+the engine arguments a cell gets."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from glm5_matrix import engines
+from glm5_matrix.context import CellContext, Weights
+from glm5_matrix.errors import UserError
+from glm5_matrix.profiles import load_profile
+
+
+def _step(new=(), cached=(), resumed=()):
+    """A SchedulerOutput-shaped step: new requests (id, table), cached (id, new ids or None)."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=t) for r, t in new],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, _ in cached],
+            new_block_ids=[ids for _, ids in cached],
+            resumed_req_ids=set(resumed),
+        ),
+    )
+
+
+def test_block_recorder_applies_the_scheduler_rule() -> None:
+    records: dict = {}
+    engines.record_block_tables(records, _step(new=[("a", ([1, 2], [0, 3]))]))
+    engines.record_block_tables(records, _step(cached=[("a", None)]))  # no change, no entry
+    engines.record_block_tables(records, _step(cached=[("a", ([4], [5]))]))  # appended
+    engines.record_block_tables(records, _step(cached=[("a", ([9], [8]))], resumed=["a"]))
+    assert records == {
+        "a": [[[1, 2], [0, 3]], [[1, 2, 4], [0, 3, 5]], [[9], [8]]],
+    }
+
+
+def test_block_recorder_keeps_requests_apart() -> None:
+    records: dict = {}
+    engines.record_block_tables(records, _step(new=[("a", ([1],)), ("b", ([2],))]))
+    engines.record_block_tables(records, _step(cached=[("b", ([3],))]))
+    assert records == {"a": [[[1]]], "b": [[[2]], [[2, 3]]]}
+
+
+def _cell(**settings) -> CellContext:
+    return CellContext(
+        cell="e2e-tp2",
+        id="e2e-tp2(deep_gemm)",
+        slug="e2e-tp2-deep_gemm",
+        suite="e2e",
+        env="cuda",
+        profile="glm-5.3-flash-4l",
+        tp=2,
+        gpus=2,
+        settings=settings,
+        weights=Weights(kind="random"),
+    )
+
+
+def test_cell_engine_args_map_the_backend_axis_per_gpu_family(monkeypatch) -> None:
+    profile = load_profile("glm-5.3-flash-4l")
+    monkeypatch.setattr(engines, "gpu_family", lambda: "sm100")
+    args = engines.cell_engine_args(_cell(moe_backend="flashinfer"), profile)
+    assert args == {"tensor_parallel_size": 2, "moe_backend": "flashinfer_trtllm"}
+    monkeypatch.setattr(engines, "gpu_family", lambda: "sm90")
+    assert engines.cell_engine_args(_cell(moe_backend="flashinfer"), profile)["moe_backend"] == (
+        "flashinfer_cutlass"
+    )
+    with pytest.raises(UserError, match="names no backend for sm80"):
+        engines.moe_backend_for(profile, "deep_gemm", "sm80")
+    with pytest.raises(UserError, match="has no 'cutlass'"):
+        engines.moe_backend_for(profile, "cutlass", "sm90")
+
+
+def test_engine_spec_uses_random_weights_and_refuses_harness_args(monkeypatch) -> None:
+    profile = load_profile("glm-5.3-flash-4l")
+    monkeypatch.setattr(engines, "gpu_family", lambda: "sm90")
+    spec = engines.engine_spec(_cell(moe_backend="deep_gemm"), profile, max_num_seqs=8)
+    assert spec.model == str(profile.directory)
+    assert spec.args["load_format"] == "glm5-random"
+    assert spec.args["max_num_seqs"] == 8 and spec.args["moe_backend"] == "deep_gemm"
+    assert spec.label.endswith("[max_num_seqs=8]")
+    profile.data["engine"]["load_format"] = "auto"
+    with pytest.raises(UserError, match="'load_format' is set by the harness"):
+        engines.engine_spec(_cell(), profile)
