@@ -336,7 +336,8 @@ def worker_kv_layout(worker: Any) -> dict[str, Any]:
     config = _runner(worker).kv_cache_config
     context = _runner(worker).compilation_config.static_forward_context
     groups = []
-    for group in config.kv_cache_groups:
+    cacheable = getattr(config, "prefix_cacheable_group_ids", None)
+    for index, group in enumerate(config.kv_cache_groups):
         spec = group.kv_cache_spec
         members = dict(getattr(spec, "kv_cache_specs", None) or {})
         kinds = [spec, *members.values()]
@@ -345,9 +346,12 @@ def worker_kv_layout(worker: Any) -> dict[str, Any]:
             "block_size": int(spec.block_size),
             "page_size_bytes": int(spec.page_size_bytes),
             "layer_names": list(group.layer_names),
-            # GLM's kpool tail ring holds one block per request and is never prefix-cached.
-            "prefix_cacheable": not any(
-                type(k).__name__.startswith("CircularBuffer") for k in kinds
+            # vLLM's own list where it has one (0.33: the groups prefix caching and the offload
+            # connectors use; GLM's kpool tail ring is not among them).
+            "prefix_cacheable": (
+                index in cacheable
+                if cacheable is not None
+                else not any(type(k).__name__.startswith("CircularBuffer") for k in kinds)
             ),
         }
         if members:

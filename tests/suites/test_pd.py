@@ -24,8 +24,7 @@ from typing import Any
 
 import pytest
 
-from glm5_matrix import disagg, servers
-from glm5_matrix.compare import matched_logprob_deltas
+from glm5_matrix import compare, disagg, servers
 from glm5_matrix.context import CellContext
 from glm5_matrix.engines import engine_spec
 from glm5_matrix.profiles import Profile
@@ -51,7 +50,8 @@ def _server_args(cell: CellContext, profile: Profile) -> tuple[str, list[str], d
     connector = cell.setting("kv_connector", "nixl")
     if connector not in CONNECTORS:
         pytest.fail(f"cell {cell.id}: kv_connector {connector!r} is not one of {list(CONNECTORS)}")
-    spec = engine_spec(cell, profile, enable_prefix_caching=True)
+    # [pd].engine: what differs from the profile's [engine] when three servers share the GPUs.
+    spec = engine_spec(cell, profile, enable_prefix_caching=True, **pd.get("engine", {}))
     kv_config = {
         "kv_connector": CONNECTORS[connector],
         "kv_role": "kv_both",
@@ -226,7 +226,7 @@ def test_kv_was_transferred(record: Record) -> None:
     assert d.external_hits > record.block_size, d
 
 
-def test_repeated_request_hits_decode_cache_or_moves_less(record: Record) -> None:
+def test_repeated_request_hits_decode_cache_or_moves_less(record: Record, profile: Profile) -> None:
     first = record.after_first.decode.minus(record.before.decode)
     second = record.after_second.decode.minus(record.after_first.decode)
     print(f"\nrepeated P->D, D counters moved by {second}")
@@ -234,42 +234,34 @@ def test_repeated_request_hits_decode_cache_or_moves_less(record: Record) -> Non
     assert second.local_hits > 0 or second.nixl_bytes < first.nixl_bytes, (first, second)
     # Whatever D did not take from its cache still came from P.
     assert second.local_hits + second.external_hits == first.external_hits, (first, second)
-    assert record.second.decode.token_ids == record.first.decode.token_ids
+    # Not exact equality: the repeat resumes from D's cached boundary state (rounding, near-ties).
+    agreement = _agree(profile, record.first.decode, record.second.decode, ("first", "repeat"))
+    print(f"first vs repeated P->D: {agreement.describe()}")
+
+
+def _agree(
+    profile: Profile, a: disagg.Completion, b: disagg.Completion, names: tuple[str, str]
+) -> compare.Agreement:
+    tolerances = _pd(profile)["tolerances"]
+    return compare.check_greedy_agreement(
+        a,
+        b,
+        min_matched=int(tolerances["matching_prefix_tokens"]),
+        logprob_abs=float(tolerances["logprob_abs"]),
+        names=names,
+    )
 
 
 def test_disaggregated_output_matches_single_server(record: Record, profile: Profile) -> None:
+    """P->D agrees with P alone: equal tokens with close logprobs, parting (if at all) only at a
+    near-tie on both sides, never at a clear winner (another model state)."""
     tolerances = _pd(profile)["tolerances"]
-    tolerance = float(tolerances["logprob_abs"])
     reference, decoded = record.reference, record.first.decode
-    assert len(set(reference.token_ids)) >= int(tolerances["min_distinct_tokens"])
-    prefix = int(tolerances["matching_prefix_tokens"])
-    assert decoded.token_ids[:prefix] == reference.token_ids[:prefix], (
-        f"P->D {decoded.token_ids} vs P-only {reference.token_ids}"
+    compare.assert_varies(
+        reference.token_ids, int(tolerances["min_distinct_tokens"]), "P-only output"
     )
-    # Logprobs are compared only where the tokens are the same.
-    deltas = matched_logprob_deltas(
-        reference.token_ids, reference.logprobs, decoded.token_ids, decoded.logprobs
-    )
-    assert len(deltas) >= prefix
-    worst = max(abs(x) for x in deltas)
-    print(
-        f"\nP-only {reference.token_ids}\nP->D   {decoded.token_ids}\n"
-        f"{len(deltas)} matched tokens, max |logprob delta| {worst:.4f}"
-    )
-    assert worst <= tolerance, deltas
-    if len(deltas) < len(reference.token_ids):
-        # Where they part, it must be a near-tie on both sides, not a different model state:
-        # each side's choice is among the other's top candidates, within the tolerance.
-        k = len(deltas)
-        ours, theirs = reference.token_ids[k], decoded.token_ids[k]
-        for name, top, chosen, other in (
-            ("P-only", reference.top_logprobs[k], ours, theirs),
-            ("P->D", decoded.top_logprobs[k], theirs, ours),
-        ):
-            assert other in top, f"step {k}: {name} top-{TOP_LOGPROBS} {top} lacks {other}"
-            gap = top[chosen] - top[other]
-            print(f"step {k}: {name} gap between {chosen} and {other}: {gap:.4f}")
-            assert gap <= tolerance, f"step {k}: {name} {top}: not a near-tie"
+    agreement = _agree(profile, reference, decoded, ("P-only", "P->D"))
+    print(f"\nP-only {reference.token_ids}\nP->D   {decoded.token_ids}\n{agreement.describe()}")
 
 
 def _other_model(
@@ -290,7 +282,11 @@ def _other_model(
         write_model(spec, folder)
         return str(folder), args
     shutil.copytree(model, folder, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
-    return str(folder), args if "--load-format" in args else [*args, "--load-format", "dummy"]
+    # Other weights: vLLM's dummy ones (glm5-random would give the same bytes at another path).
+    if "--load-format" in args:
+        i = args.index("--load-format")
+        return str(folder), [*args[:i], "--load-format", "dummy", *args[i + 2 :]]
+    return str(folder), [*args, "--load-format", "dummy"]
 
 
 def test_prefiller_with_other_weights_is_refused(record: Record, profile: Profile) -> None:
@@ -338,6 +334,12 @@ def test_prefiller_with_other_weights_is_refused(record: Record, profile: Profil
     assert delta.nixl_failed >= 1, delta
     # D is not broken by the refusal: P's KV still decodes to the same output.
     again = disagg.prefill_then_decode(
-        record.prefill_server.url, d.url, SERVED_MODEL, record.prompt, max_tokens, timeout
+        record.prefill_server.url,
+        d.url,
+        SERVED_MODEL,
+        record.prompt,
+        max_tokens,
+        timeout,
+        top_logprobs=TOP_LOGPROBS,
     )
-    assert again.decode.token_ids == record.first.decode.token_ids
+    _agree(profile, record.first.decode, again.decode, ("first P->D", "after the refusal"))
