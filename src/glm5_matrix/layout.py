@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -149,8 +150,11 @@ def plan_layout(
     spec_tokens: int = 0,
     kv_cache_dtype: str = "auto",
     block_size: int | None = None,
+    drafter: Mapping[str, Any] | None = None,
 ) -> LayoutPlan:
-    """Plan vLLM's KV cache layout for a GLM-5.3-Flash config at one setting."""
+    """Plan vLLM's KV cache layout for a GLM-5.3-Flash config at one setting; `drafter` (a
+    DFlash2 drafter's config.json) adds its full-attention layers, which keep the target's block
+    size (their kernels take any multiple of 16)."""
     text = text_config(config)
     if tp < 1:
         raise UserError(f"--tp must be >= 1, got {tp}")
@@ -258,6 +262,8 @@ def plan_layout(
                 shares_tensor_with="mla latent",
             )
         )
+    if drafter is not None:
+        groups.append(_drafter_group(drafter, tp, final_block, kv_bytes))
     return LayoutPlan(
         tp=tp,
         spec_tokens=spec_tokens,
@@ -278,6 +284,23 @@ def plan_layout(
         tail_ring=ring,
         tail_page_bytes=tail_page,
         groups=groups,
+    )
+
+
+def _drafter_group(drafter: Mapping[str, Any], tp: int, block: int, kv_bytes: int) -> LayoutGroup:
+    """A drafter's GQA layers: one FullAttentionSpec page per layer of K and V for its KV heads
+    on this rank (replicated when TP exceeds them)."""
+    layers = _field(dict(drafter), "num_hidden_layers")
+    kv_heads = max(1, _field(dict(drafter), "num_key_value_heads") // tp)
+    head_dim = _field(dict(drafter), "head_dim")
+    per_token = 2 * kv_heads * head_dim * kv_bytes
+    return LayoutGroup(
+        kind="draft",
+        spec="FullAttentionSpec",
+        block_size=block,
+        page_bytes=block * per_token,
+        layers=[f"drafter.layers.{i}" for i in range(layers)],
+        note=f"{per_token} B/token per layer (K and V, {kv_heads} KV head(s) x {head_dim})",
     )
 
 

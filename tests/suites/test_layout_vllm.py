@@ -127,3 +127,52 @@ def test_vllm_spec_kinds_match_the_profile(probe, profile_config, profile) -> No
     spec_names = {g.kind: g.spec for g in plan.groups}
     assert spec_names == expect["group_specs"]
     assert layout.spec_classes == expect["group_specs"]
+
+
+@pytest.mark.parametrize("drafter_kind", ["synthesized", "trained for 45 layers"])
+def test_dflash_taps_reach_vllms_draft_config(profile, tmp_path, drafter_kind) -> None:
+    """The profile's DFlash2 taps, through vLLM's own SpeculativeConfig and hf_overrides
+    composition, become the aux hidden states the target captures: 0 (embeddings) .. 4 (the
+    last layer's output) on the 4-layer target. For a drafter trained on the 45-layer model, the
+    callable hf_overrides must retarget its taps; vLLM itself would not."""
+    import json
+    from pathlib import Path
+
+    from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
+        get_eagle3_aux_layers_from_config,
+    )
+
+    from glm5_matrix.drafters import DRAFT_VARIABLE, resolve_drafter
+
+    drafter = resolve_drafter(profile, tmp_path / "cache", environ={})
+    if drafter_kind != "synthesized":
+        trained = json.loads((Path(drafter.path) / "config.json").read_text())
+        trained["dflash_config"]["target_layer_ids"] = [1, 10, 20, 30, 40]
+        (tmp_path / "trained").mkdir()
+        (tmp_path / "trained" / "config.json").write_text(json.dumps(trained))
+        drafter = resolve_drafter(
+            profile, tmp_path / "cache", environ={DRAFT_VARIABLE: str(tmp_path / "trained")}
+        )
+
+    def aux_ids(hf_overrides) -> tuple[int, ...]:
+        target = ModelConfig(
+            model=str(profile.directory),
+            skip_tokenizer_init=True,
+            max_model_len=8192,
+            hf_overrides=hf_overrides,
+            language_model_only=True,
+        )
+        speculative = SpeculativeConfig(
+            **drafter.speculative_config(),
+            target_model_config=target,
+            target_parallel_config=ParallelConfig(),
+        )
+        assert speculative.draft_model_config.architectures == ["DFlash2DraftModel"]
+        return tuple(get_eagle3_aux_layers_from_config(speculative))
+
+    layers = profile.config()["text_config"]["num_hidden_layers"]
+    assert aux_ids(drafter.hf_overrides()) == tuple(range(layers + 1))
+    if drafter_kind != "synthesized":
+        # Without the override, vLLM takes the trained taps as they are: past the last layer.
+        assert max(aux_ids({})) > layers

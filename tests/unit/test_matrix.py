@@ -24,6 +24,7 @@ GPU_VARIANTS = {
     "e2e-tp4(flashinfer)",
     "offload-tp1(simple)",
     "offload-tp1(offloading)",
+    "dflash-tp1",
     "pd-nixl",
 }
 CPU_CELLS = {"e2e-cpu", "pd-nixl-cpu", "layout", "unit", "lint", "metadata"}

@@ -1,0 +1,192 @@
+"""DFlash2 drafter against the hybrid GLM target (cell dflash-tp1).
+
+What vLLM fixed upstream in #56983 must hold: the drafter loads against the hybrid target (its
+taps read through mHC), its GQA layers get KV pages beside the target's MLA, indexer, tail and
+KDA groups at the block size the planner predicts for K draft tokens, drafts are proposed and
+verified, and greedy output equals the target-only run (up to a near-tie, see the profile).
+The acceptance rate is printed, not asserted: the synthesized drafter is untrained.
+
+Two engines, one after the other (never two alive at once): the target alone, then with the
+drafter. The drafter is the profile's synthesized one unless GLM5_DFLASH2_DRAFT names one.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from glm5_matrix import compare
+from glm5_matrix.compare import GreedyOutput
+from glm5_matrix.context import CellContext
+from glm5_matrix.drafters import Drafter, dflash_table, resolve_drafter
+from glm5_matrix.engines import Engine, engine_spec, resolve_class
+from glm5_matrix.layout import LayoutPlan, plan_layout, text_config
+from glm5_matrix.profiles import Profile
+from glm5_matrix.tiny_hybrid import default_cache_dir
+
+pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("no_surviving_children")]
+
+TOP_LOGPROBS = 5
+PROMPT_TOKENS = 512
+SPEC_METRICS = (
+    "vllm:spec_decode_num_drafts",
+    "vllm:spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens",
+)
+
+
+@pytest.fixture(scope="module")
+def drafter(profile: Profile) -> Drafter:
+    found = resolve_drafter(profile, default_cache_dir())
+    print(f"drafter: {found.path} ({found.source}), taps {list(found.taps)}")
+    return found
+
+
+@pytest.fixture(scope="module")
+def plan(cell: CellContext, profile: Profile, drafter: Drafter) -> LayoutPlan:
+    draft_config = json.loads((Path(drafter.path) / "config.json").read_text())
+    return plan_layout(
+        profile.config(),
+        tp=cell.tp or 1,
+        spec_tokens=drafter.num_speculative_tokens,
+        drafter=draft_config,
+    )
+
+
+@pytest.fixture(scope="module")
+def prompt(profile: Profile) -> list[int]:
+    vocab = int(text_config(profile.config())["vocab_size"])
+    rng = random.Random(int(profile.section("prompts")["seed"]))
+    return [rng.randrange(vocab) for _ in range(PROMPT_TOKENS)]
+
+
+@pytest.fixture(scope="module")
+def target_only(cell: CellContext, profile: Profile, prompt: list[int]) -> GreedyOutput:
+    """The target alone; its engine is stopped before the drafted one starts."""
+    max_tokens = int(profile.section("prompts")["max_tokens"])
+    with Engine(engine_spec(cell, profile)) as engine:
+        output = engine.generate_scored(prompt, max_tokens, TOP_LOGPROBS)
+    assert not engine.leftover_processes, engine.leftover_processes
+    return output
+
+
+@pytest.fixture(scope="module")
+def drafted(
+    cell: CellContext, profile: Profile, drafter: Drafter, target_only: GreedyOutput
+) -> Iterator[Engine]:
+    spec = engine_spec(
+        cell,
+        profile,
+        speculative_config=drafter.speculative_config(),
+        hf_overrides=drafter.hf_overrides(),
+        disable_log_stats=False,  # the spec-decode counters
+    )
+    with Engine(spec) as running:
+        print(f"drafted engine up in {running.start_seconds:.1f} s")
+        yield running
+    assert not running.leftover_processes, running.leftover_processes
+
+
+@dataclass(frozen=True)
+class DraftedRun:
+    output: GreedyOutput
+    counters: dict[str, float]  # spec-decode counters moved by this run
+
+
+@pytest.fixture(scope="module")
+def drafted_run(drafted: Engine, profile: Profile, prompt: list[int]) -> DraftedRun:
+    max_tokens = int(profile.section("prompts")["max_tokens"])
+    before = drafted.counters()
+    output = drafted.generate_scored(prompt, max_tokens, TOP_LOGPROBS)
+    after = drafted.counters()
+    moved = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in SPEC_METRICS}
+    return DraftedRun(output, moved)
+
+
+def _layer_specs(layout: dict[str, Any]) -> dict[str, tuple[type, int, int]]:
+    """{layer: (its spec class, page bytes, block size)} over every group."""
+    found = {}
+    for group in layout["groups"]:
+        members = group.get("member_specs") or {
+            name: {"spec_class": group["spec_class"], "page_size_bytes": group["page_size_bytes"]}
+            for name in group["layer_names"]
+        }
+        for name, member in members.items():
+            found[name] = (
+                resolve_class(member["spec_class"]),
+                int(member["page_size_bytes"]),
+                int(group["block_size"]),
+            )
+    return found
+
+
+def test_drafter_gets_kv_pages_beside_the_target(
+    drafted: Engine, profile: Profile, plan: LayoutPlan
+) -> None:
+    from vllm.v1 import kv_cache_interface
+
+    layout = drafted.kv_layout()
+    specs = _layer_specs(layout)
+    expect = profile.section("expect")
+    classes = {k: getattr(kv_cache_interface, expect[k]) for k in ("mla_spec", "tail_spec")}
+    classes["mamba_spec"] = getattr(kv_cache_interface, expect["mamba_spec"])
+    full = kv_cache_interface.FullAttentionSpec
+    # Exact classes: MLAAttentionSpec is a subclass of FullAttentionSpec.
+    by_class: dict[type, list[str]] = {}
+    for name, (cls, _, _) in specs.items():
+        by_class.setdefault(cls, []).append(name)
+    print({c.__name__: sorted(names) for c, names in by_class.items()})
+    planned = {g.kind: g for g in plan.groups}
+    kda_layers = [layer for g in plan.groups if g.kind == "mamba" for layer in g.layers]
+    assert len(by_class.get(classes["mamba_spec"], [])) == len(kda_layers)
+    assert len(by_class.get(classes["tail_spec"], [])) == 1
+    assert len(by_class.get(classes["mla_spec"], [])) == 2  # latent + indexer keys
+    drafter_layers = sorted(by_class.get(full, []))
+    assert len(drafter_layers) == len(planned["draft"].layers), (
+        f"drafter layers with {full.__name__}: {drafter_layers}"
+    )
+    for name in drafter_layers:
+        _, page, block = specs[name]
+        assert block == plan.block_size, f"{name}: block {block} != planned {plan.block_size}"
+        assert page == planned["draft"].page_bytes, f"{name}: page {page}"
+    # The target's groups keep the planner's block for K draft tokens (4608 at TP1 for K=7).
+    for name, (cls, _, block) in specs.items():
+        if cls is not classes["tail_spec"]:
+            assert block == plan.block_size, f"{name}: block {block} != {plan.block_size}"
+    print(f"block {plan.block_size} for {plan.spec_tokens} draft tokens; drafter {drafter_layers}")
+
+
+def test_drafts_are_proposed_and_verified(drafted_run: DraftedRun, drafter: Drafter) -> None:
+    moved = drafted_run.counters
+    drafts, proposed, accepted = (moved[name] for name in SPEC_METRICS)
+    rate = accepted / proposed if proposed else 0.0
+    print(
+        f"spec decode: {drafts:.0f} drafts, {proposed:.0f} draft tokens, {accepted:.0f} "
+        f"accepted (acceptance {rate:.1%}, reported only: the drafter is untrained)"
+    )
+    assert drafts > 0, f"no drafts were proposed: {moved}"
+    assert proposed == drafts * drafter.num_speculative_tokens, moved
+    assert 0 <= accepted <= proposed, moved
+
+
+def test_greedy_matches_target_only(
+    target_only: GreedyOutput, drafted_run: DraftedRun, profile: Profile
+) -> None:
+    tolerances = dflash_table(profile)["tolerances"]
+    compare.assert_varies(
+        target_only.token_ids, int(tolerances["min_distinct_tokens"]), "target-only output"
+    )
+    agreement = compare.check_greedy_agreement(
+        target_only,
+        drafted_run.output,
+        min_matched=int(tolerances["matching_prefix_tokens"]),
+        logprob_abs=float(tolerances["logprob_abs"]),
+        names=("target-only", "DFlash2"),
+    )
+    print(f"DFlash2 vs target-only: {agreement.describe()}")
