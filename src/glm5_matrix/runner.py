@@ -156,6 +156,8 @@ def run_variant(session: Any, variant: Variant) -> None:
         *cell.tests,
         "-p",
         "glm5_matrix.reports",
+        "-p",
+        "glm5_matrix.known_failures",
         f"--junitxml={out / 'junit.xml'}",
         *options.pytest_args,
     ]

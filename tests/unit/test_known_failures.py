@@ -1,0 +1,111 @@
+"""glm5_matrix.known_failures: the registry's parsing, version rule, and the pytest plugin run
+for real (pytester) on a passing and a failing test."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from packaging.version import Version
+
+from glm5_matrix import known_failures
+from glm5_matrix.errors import UserError
+from glm5_matrix.profiles import repo_root
+
+pytest_plugins = ("pytester",)
+
+ENTRY = """
+[[failure]]
+test = "test_bug.py::test_upstream_bug"
+cells = ["e2e-tp1(*)"]
+upstream = "https://github.com/vllm-project/vllm/issues/1"
+fix = "https://github.com/vllm-project/vllm/pull/2"
+fixed_in = "0.34.0"
+reason = "the bug"
+"""
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "known-failures.toml"
+    path.write_text(text)
+    return path
+
+
+def test_registry_parses_and_matches(tmp_path: Path) -> None:
+    (entry,) = known_failures.load_registry(_write(tmp_path, ENTRY))
+    assert entry.fixed_in == Version("0.34.0")
+    assert entry.matches("test_bug.py::test_upstream_bug", "e2e-tp1(deep_gemm)")
+    assert entry.matches("test_bug.py::test_upstream_bug[x]", "e2e-tp1(flashinfer)")
+    assert not entry.matches("test_bug.py::test_upstream_bug", "e2e-tp2(deep_gemm)")
+    assert not entry.matches("test_bug.py::test_other", "e2e-tp1(deep_gemm)")
+
+
+def test_xfail_only_while_vllm_predates_the_fix(tmp_path: Path) -> None:
+    (entry,) = known_failures.load_registry(_write(tmp_path, ENTRY))
+    assert entry.expected_to_fail(Version("0.33.0"))
+    assert entry.expected_to_fail(Version("0.34.0rc1"))
+    assert not entry.expected_to_fail(Version("0.34.0"))
+    assert not entry.expected_to_fail(Version("0.35.1+cpu"))
+    unfixed = known_failures.load_registry(
+        _write(tmp_path, ENTRY.replace('fixed_in = "0.34.0"\n', ""))
+    )
+    assert unfixed[0].expected_to_fail(Version("99.0"))
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[[failure]]\ntest = 1\n", "`test` must be a non-empty string"),
+        (ENTRY.replace('fixed_in = "0.34.0"', 'fixed_in = "soon"'), "is not a vLLM version"),
+        (ENTRY.replace("test_bug.py::", "test_bug.py:"), "must be a pytest node id"),
+        (ENTRY + "colour = 1\n", "unknown field(s) ['colour']"),
+        ("[other]\n", "unknown table(s) ['other']"),
+        ("[[failure]\n", "not valid TOML"),
+    ],
+)
+def test_malformed_registry_is_one_clear_error(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(UserError) as error:
+        known_failures.load_registry(_write(tmp_path, text))
+    assert message in str(error.value)
+    assert str(tmp_path / "known-failures.toml") in str(error.value)
+
+
+def test_the_project_registry_is_valid() -> None:
+    for entry in known_failures.load_registry(repo_root() / known_failures.REGISTRY_FILE):
+        assert entry.upstream.startswith("https://github.com/vllm-project/vllm/"), entry
+
+
+BUG_TESTS = """
+def test_upstream_bug():
+    assert FIXED, "the upstream bug"
+"""
+
+
+def _run(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, vllm: str, fixed: bool):
+    root = pytester.path
+    (root / "known-failures.toml").write_text(ENTRY)
+    pytester.makepyfile(test_bug=f"FIXED = {fixed}\n" + BUG_TESTS)
+    monkeypatch.setattr(known_failures, "registry_path", lambda: root / "known-failures.toml")
+    monkeypatch.setattr(known_failures, "installed_vllm_version", lambda: Version(vllm))
+    monkeypatch.setenv("GLM5_MATRIX_CELL", "e2e-tp1(deep_gemm)")
+    monkeypatch.delenv("GLM5_MATRIX_CONTEXT", raising=False)
+    monkeypatch.setattr(known_failures, "_MARKED", {})
+    monkeypatch.setattr(known_failures, "_STALE", [])
+    return pytester.runpytest("-p", "glm5_matrix.known_failures", "-rA")
+
+
+def test_plugin_marks_a_known_failure_strict_xfail(pytester, monkeypatch) -> None:
+    result = _run(pytester, monkeypatch, "0.33.0", fixed=False)
+    result.assert_outcomes(xfailed=1)
+
+
+def test_plugin_reports_an_unexpected_pass_as_fixed_upstream(pytester, monkeypatch) -> None:
+    result = _run(pytester, monkeypatch, "0.33.0", fixed=True)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*fixed upstream: remove this entry from known-failures.toml*"])
+
+
+def test_plugin_runs_the_test_plainly_once_vllm_has_the_fix(pytester, monkeypatch) -> None:
+    failing = _run(pytester, monkeypatch, "0.34.0", fixed=False)
+    failing.assert_outcomes(failed=1)  # a regression in a fixed release is a plain failure
+    failing.stdout.fnmatch_lines(["*carries the fix*Remove the entry*"])
