@@ -30,7 +30,7 @@ _FIELDS = {"test", "cells", "upstream", "fix", "fixed_in", "reason"}
 
 @dataclass(frozen=True)
 class KnownFailure:
-    test: str  # pytest node id relative to the repo root, e.g. tests/suites/test_x.py::test_y
+    test: str  # pytest node id (fnmatch pattern) from the repo root, e.g. tests/suites/x.py::y
     upstream: str  # the issue (or PR) that describes the bug
     reason: str
     cells: tuple[str, ...] = ()  # session ids (fnmatch patterns); empty = every cell
@@ -38,7 +38,7 @@ class KnownFailure:
     fixed_in: Version | None = None  # first vLLM release with the fix; None = none yet
 
     def matches(self, nodeid: str, cell_id: str) -> bool:
-        if nodeid.split("[", 1)[0] != self.test:
+        if not fnmatch.fnmatchcase(nodeid.split("[", 1)[0], self.test):
             return False
         return not self.cells or any(fnmatch.fnmatchcase(cell_id, c) for c in self.cells)
 

@@ -38,6 +38,11 @@ def test_registry_parses_and_matches(tmp_path: Path) -> None:
     assert entry.matches("test_bug.py::test_upstream_bug[x]", "e2e-tp1(flashinfer)")
     assert not entry.matches("test_bug.py::test_upstream_bug", "e2e-tp2(deep_gemm)")
     assert not entry.matches("test_bug.py::test_other", "e2e-tp1(deep_gemm)")
+    (module,) = known_failures.load_registry(
+        _write(tmp_path, ENTRY.replace("test_bug.py::test_upstream_bug", "test_bug.py::*"))
+    )
+    assert module.matches("test_bug.py::test_other", "e2e-tp1(deep_gemm)")
+    assert not module.matches("test_other.py::test_upstream_bug", "e2e-tp1(deep_gemm)")
 
 
 def test_xfail_only_while_vllm_predates_the_fix(tmp_path: Path) -> None:
@@ -71,8 +76,15 @@ def test_malformed_registry_is_one_clear_error(tmp_path: Path, text: str, messag
 
 
 def test_the_project_registry_is_valid() -> None:
-    for entry in known_failures.load_registry(repo_root() / known_failures.REGISTRY_FILE):
+    """Every entry names an upstream vLLM issue and a test that exists."""
+    entries = known_failures.load_registry(repo_root() / known_failures.REGISTRY_FILE)
+    assert entries, "known-failures.toml has no entries"
+    for entry in entries:
         assert entry.upstream.startswith("https://github.com/vllm-project/vllm/"), entry
+        path, _, name = entry.test.partition("::")
+        source = (repo_root() / path).read_text()
+        if name != "*":
+            assert f"def {name}(" in source, f"{entry.test}: no such test"
 
 
 BUG_TESTS = """
