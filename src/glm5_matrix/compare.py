@@ -208,3 +208,18 @@ def check_greedy_agreement(
             )
         gaps.append(gap)
     return Agreement(matched, total, worst, (gaps[0], gaps[1]))
+
+
+def check_resumed_agreement(
+    cold: Scored, resumed: Scored, tolerances: Mapping[str, Any], names: tuple[str, str]
+) -> Agreement:
+    """A run that resumed from cached block-boundary state (a prefix-cache hit, blocks restored
+    from an offload) against the cold run: check_greedy_agreement with the profile's
+    repeat_matching_prefix_tokens and repeat_logprob_abs."""
+    return check_greedy_agreement(
+        cold,
+        resumed,
+        min_matched=int(tolerances["repeat_matching_prefix_tokens"]),
+        logprob_abs=float(tolerances["repeat_logprob_abs"]),
+        names=names,
+    )

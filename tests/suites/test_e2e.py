@@ -266,13 +266,7 @@ def test_greedy_reproducible_across_block_boundary(
     assert again.cached_tokens and again.cached_tokens >= block, (
         f"the repeat reused {again.cached_tokens} cached tokens, not a whole {block}-token block"
     )
-    agreement = compare.check_greedy_agreement(
-        cold,
-        again,
-        min_matched=int(tolerances["repeat_matching_prefix_tokens"]),
-        logprob_abs=float(tolerances["repeat_logprob_abs"]),
-        names=("cold", "repeat"),
-    )
+    agreement = compare.check_resumed_agreement(cold, again, tolerances, ("cold", "repeat"))
     print(f"cold vs repeat from the cached boundary: {agreement.describe()}")
 
 

@@ -112,13 +112,7 @@ def test_offload_round_trip(engine: Engine, profile: Profile, plan: LayoutPlan) 
     print(f"GPU prefix-cache repeat vs warm from CPU: {restored.describe()}")
     # Against the cold run, the rule of a repeat from a cached boundary applies (the profile's
     # repeat_* tolerances, as in test_greedy_reproducible_across_block_boundary).
-    agreement = compare.check_greedy_agreement(
-        cold,
-        warm,
-        min_matched=int(tolerances["repeat_matching_prefix_tokens"]),
-        logprob_abs=float(tolerances["repeat_logprob_abs"]),
-        names=("cold", "warm from CPU"),
-    )
+    agreement = compare.check_resumed_agreement(cold, warm, tolerances, ("cold", "warm from CPU"))
     print(f"cold vs warm: {agreement.describe()}")
 
 

@@ -147,3 +147,14 @@ def test_greedy_agreement_rejects_short_prefix_and_drifting_logprobs() -> None:
     drift = _run([5, 7], [{5: -0.9}, {7: -0.1}])
     with pytest.raises(AssertionError, match=r"step 0: same token, \|logprob delta\| 0.8000"):
         compare.check_greedy_agreement(a, drift, min_matched=1, logprob_abs=0.5)
+
+
+def test_resumed_agreement_reads_the_repeat_tolerances() -> None:
+    a = _run([5, 7], [{5: -0.1}, {7: -0.70, 8: -0.71}])
+    b = _run([5, 8], [{5: -0.1}, {8: -0.70, 7: -0.71}])
+    loose = {"repeat_matching_prefix_tokens": 1, "repeat_logprob_abs": 0.05}
+    assert compare.check_resumed_agreement(a, b, loose, ("cold", "repeat")).matched == 1
+    with pytest.raises(AssertionError, match="only 1 leading tokens equal, < 2"):
+        compare.check_resumed_agreement(
+            a, b, {**loose, "repeat_matching_prefix_tokens": 2}, ("c", "r")
+        )
