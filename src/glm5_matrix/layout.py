@@ -86,6 +86,11 @@ class LayoutPlan:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def offload_bytes(self, blocks: int) -> int:
+        """CPU room for `blocks` KV blocks of every prefix-cacheable group: what an offload
+        connector stores per block (the tail ring is per request and never offloaded)."""
+        return blocks * sum(g.page_bytes for g in self.groups if g.prefix_cacheable)
+
     def describe(self) -> str:
         bpt = self.attn_bytes_per_token
         kda = [g for g in self.groups if g.kind == "mamba"]

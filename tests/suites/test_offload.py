@@ -28,17 +28,10 @@ def plan(cell: CellContext, profile: Profile) -> LayoutPlan:
     return plan_layout(profile.config(), tp=cell.tp or 1)
 
 
-def cpu_bytes_for(plan: LayoutPlan, blocks: int) -> int:
-    """Room for `blocks` KV blocks of every prefix-cacheable group, from the planner's pages
-    (the tail ring is not prefix-cacheable and is never offloaded)."""
-    per_block = sum(g.page_bytes for g in plan.groups if g.prefix_cacheable)
-    return blocks * per_block
-
-
 @pytest.fixture(scope="module")
 def engine(cell: CellContext, profile: Profile, plan: LayoutPlan) -> Iterator[Engine]:
     connector = CONNECTORS[cell.setting("kv_connector")]
-    cpu_bytes = cpu_bytes_for(plan, int(profile.section("offload")["cpu_blocks"]))
+    cpu_bytes = plan.offload_bytes(int(profile.section("offload")["cpu_blocks"]))
     print(f"{connector}: cpu_bytes_to_use {cpu_bytes:,} B")
     transfer = {
         "kv_connector": connector,

@@ -143,3 +143,13 @@ def test_cli_config_path_and_errors(tmp_path: Path, capsys) -> None:
     bad.write_text("{")
     assert main(["layout", "--config", str(bad), "--tp", "1"]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_offload_bytes_count_the_prefix_cacheable_groups_only(config) -> None:
+    """The offload cells size the CPU side from this: at TP1, one block holds the MLA latent +
+    indexer page and three KDA pages padded to the latent page; the tail ring is left out."""
+    plan = plan_layout(config, 1)
+    # Page bytes vLLM 0.33 allocated on an H200 (reference h200-host.md): latent 4,456,448,
+    # indexer 143,616, KDA pages padded to 4,456,448, tail 2,048.
+    assert plan.offload_bytes(1) == 4_456_448 + 143_616 + 3 * 4_456_448
+    assert plan.offload_bytes(8) == 8 * plan.offload_bytes(1)
