@@ -211,42 +211,31 @@ class Engine:
 
     # --- requests ----------------------------------------------------------------------------
 
-    def generate_greedy(
-        self, prompt: Sequence[int], max_tokens: int, logprobs: int | None = None
-    ) -> tuple[list[int], list[float] | None]:
-        """Greedy tokens for one token-id prompt, and each chosen token's logprob if asked."""
+    def generate_greedy(self, prompt: Sequence[int], max_tokens: int) -> list[int]:
+        """Greedy tokens for one token-id prompt."""
+        return list(self._generate(prompt, max_tokens, logprobs=None).outputs[0].token_ids)
+
+    def generate_scored(self, prompt: Sequence[int], max_tokens: int, top: int) -> GreedyOutput:
+        """Greedy tokens with the chosen token's logprob and the `top` best candidates per step
+        (what compare.check_greedy_agreement needs to tell rounding from a real difference)."""
+        request = self._generate(prompt, max_tokens, logprobs=top)
+        output = request.outputs[0]
+        tokens = list(output.token_ids)
+        steps = [{int(t): float(lp.logprob) for t, lp in step.items()} for step in output.logprobs]
+        chosen = [step[token] for token, step in zip(tokens, steps, strict=True)]
+        return GreedyOutput(tokens, chosen, steps, int(request.num_cached_tokens or 0))
+
+    def _generate(self, prompt: Sequence[int], max_tokens: int, logprobs: int | None) -> Any:
+        """vLLM's RequestOutput of one greedy request (no EOS stop: a fixed number of tokens)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(
             temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs
         )
-        output = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=list(prompt))], params, use_tqdm=False
-        )[0].outputs[0]
-        tokens = list(output.token_ids)
-        if logprobs is None:
-            return tokens, None
-        chosen = [step[token].logprob for token, step in zip(tokens, output.logprobs, strict=True)]
-        return tokens, chosen
-
-    def generate_scored(self, prompt: Sequence[int], max_tokens: int, top: int) -> GreedyOutput:
-        """Greedy tokens with the chosen token's logprob and the `top` best candidates per step
-        (what compare.check_greedy_agreement needs to tell rounding from a real difference)."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        params = SamplingParams(
-            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=top
-        )
-        request = self.llm.generate(
+        return self.llm.generate(
             [TokensPrompt(prompt_token_ids=list(prompt))], params, use_tqdm=False
         )[0]
-        output = request.outputs[0]
-        tokens = list(output.token_ids)
-        steps = [{int(t): float(lp.logprob) for t, lp in step.items()} for step in output.logprobs]
-        chosen = [step[token] for token, step in zip(tokens, steps, strict=True)]
-        return GreedyOutput(tokens, chosen, steps, int(request.num_cached_tokens or 0))
 
     def counters(self) -> dict[str, float]:
         """vLLM's counters and vectors (summed) by name, e.g. vllm:spec_decode_num_drafts.
