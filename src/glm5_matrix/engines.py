@@ -299,7 +299,33 @@ def resolve_class(qualified_name: str) -> type:
     return found
 
 
-# --- child processes ---------------------------------------------------------------------------
+# --- reading the layout worker_kv_layout returns -----------------------------------------------
+
+
+def spec_classes(group: dict[str, Any]) -> set[type]:
+    """The KV spec classes of a group's layers. vLLM 0.33 wraps every group's specs in
+    UniformTypeKVCacheSpecs, so the members, where there are any, tell the kinds apart."""
+    members = group.get("member_specs") or {"": group}
+    return {resolve_class(m["spec_class"]) for m in members.values()}
+
+
+def groups_of(layout: dict[str, Any], cls: type) -> list[dict[str, Any]]:
+    """The groups whose layers' spec class IS `cls` (identity: a subclass does not count)."""
+    return [g for g in layout["groups"] if spec_classes(g) == {cls}]
+
+
+def layer_specs(layout: dict[str, Any]) -> dict[str, tuple[type, int, int]]:
+    """{layer: (its spec class, page bytes, the group's block size)} over every group."""
+    found = {}
+    for group in layout["groups"]:
+        members = group.get("member_specs") or dict.fromkeys(group["layer_names"], group)
+        for name, member in members.items():
+            found[name] = (
+                resolve_class(member["spec_class"]),
+                int(member["page_size_bytes"]),
+                int(group["block_size"]),
+            )
+    return found
 
 
 # --- worker-side functions (run inside vLLM's worker processes via collective_rpc) -------------
@@ -325,23 +351,18 @@ def worker_kv_layout(worker: Any) -> dict[str, Any]:
     config = _runner(worker).kv_cache_config
     context = _runner(worker).compilation_config.static_forward_context
     groups = []
-    cacheable = getattr(config, "prefix_cacheable_group_ids", None)
+    cacheable = set(config.prefix_cacheable_group_ids)
     for index, group in enumerate(config.kv_cache_groups):
         spec = group.kv_cache_spec
         members = dict(getattr(spec, "kv_cache_specs", None) or {})
-        kinds = [spec, *members.values()]
         entry: dict[str, Any] = {
             "spec_class": _qualified(type(spec)),
             "block_size": int(spec.block_size),
             "page_size_bytes": int(spec.page_size_bytes),
             "layer_names": list(group.layer_names),
-            # vLLM's own list where it has one (0.33: the groups prefix caching and the offload
-            # connectors use; GLM's kpool tail ring is not among them).
-            "prefix_cacheable": (
-                index in cacheable
-                if cacheable is not None
-                else not any(type(k).__name__.startswith("CircularBuffer") for k in kinds)
-            ),
+            # vLLM's own list (0.32 and 0.33): the groups prefix caching and the offload
+            # connectors use; GLM's kpool tail ring is not among them.
+            "prefix_cacheable": index in cacheable,
         }
         if members:
             # vLLM 0.33 wraps every group's specs in UniformTypeKVCacheSpecs; the members tell

@@ -17,7 +17,6 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -25,7 +24,7 @@ from glm5_matrix import compare
 from glm5_matrix.compare import GreedyOutput
 from glm5_matrix.context import CellContext
 from glm5_matrix.drafters import Drafter, dflash_table, resolve_drafter
-from glm5_matrix.engines import Engine, engine_spec, resolve_class
+from glm5_matrix.engines import Engine, engine_spec, layer_specs
 from glm5_matrix.layout import LayoutPlan, plan_layout, text_config
 from glm5_matrix.profiles import Profile
 from glm5_matrix.tiny_hybrid import default_cache_dir
@@ -109,33 +108,17 @@ def drafted_run(drafted: Engine, profile: Profile, prompt: list[int]) -> Drafted
     return DraftedRun(output, moved)
 
 
-def _layer_specs(layout: dict[str, Any]) -> dict[str, tuple[type, int, int]]:
-    """{layer: (its spec class, page bytes, block size)} over every group."""
-    found = {}
-    for group in layout["groups"]:
-        members = group.get("member_specs") or {
-            name: {"spec_class": group["spec_class"], "page_size_bytes": group["page_size_bytes"]}
-            for name in group["layer_names"]
-        }
-        for name, member in members.items():
-            found[name] = (
-                resolve_class(member["spec_class"]),
-                int(member["page_size_bytes"]),
-                int(group["block_size"]),
-            )
-    return found
-
-
 def test_drafter_gets_kv_pages_beside_the_target(
     drafted: Engine, profile: Profile, plan: LayoutPlan
 ) -> None:
     from vllm.v1 import kv_cache_interface
 
     layout = drafted.kv_layout()
-    specs = _layer_specs(layout)
+    specs = layer_specs(layout)
     expect = profile.section("expect")
-    classes = {k: getattr(kv_cache_interface, expect[k]) for k in ("mla_spec", "tail_spec")}
-    classes["mamba_spec"] = getattr(kv_cache_interface, expect["mamba_spec"])
+    classes = {
+        k: getattr(kv_cache_interface, expect[f"{k}_spec"]) for k in ("mla", "tail", "mamba")
+    }
     full = kv_cache_interface.FullAttentionSpec
     # Exact classes: MLAAttentionSpec is a subclass of FullAttentionSpec.
     by_class: dict[type, list[str]] = {}
@@ -144,9 +127,9 @@ def test_drafter_gets_kv_pages_beside_the_target(
     print({c.__name__: sorted(names) for c, names in by_class.items()})
     planned = {g.kind: g for g in plan.groups}
     kda_layers = [layer for g in plan.groups if g.kind == "mamba" for layer in g.layers]
-    assert len(by_class.get(classes["mamba_spec"], [])) == len(kda_layers)
-    assert len(by_class.get(classes["tail_spec"], [])) == 1
-    assert len(by_class.get(classes["mla_spec"], [])) == 2  # latent + indexer keys
+    assert len(by_class.get(classes["mamba"], [])) == len(kda_layers)
+    assert len(by_class.get(classes["tail"], [])) == 1
+    assert len(by_class.get(classes["mla"], [])) == 2  # latent + indexer keys
     drafter_layers = sorted(by_class.get(full, []))
     assert len(drafter_layers) == len(planned["draft"].layers), (
         f"drafter layers with {full.__name__}: {drafter_layers}"
@@ -157,7 +140,7 @@ def test_drafter_gets_kv_pages_beside_the_target(
         assert page == planned["draft"].page_bytes, f"{name}: page {page}"
     # The target's groups keep the planner's block for K draft tokens (4608 at TP1 for K=7).
     for name, (cls, _, block) in specs.items():
-        if cls is not classes["tail_spec"]:
+        if cls is not classes["tail"]:
             assert block == plan.block_size, f"{name}: block {block} != {plan.block_size}"
     print(f"block {plan.block_size} for {plan.spec_tokens} draft tokens; drafter {drafter_layers}")
 

@@ -13,7 +13,7 @@ import pytest
 
 from glm5_matrix import compare
 from glm5_matrix.context import CellContext
-from glm5_matrix.engines import Engine, engine_spec, resolve_class
+from glm5_matrix.engines import Engine, engine_spec, groups_of, resolve_class, spec_classes
 from glm5_matrix.profiles import Profile
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("no_surviving_children")]
@@ -37,21 +37,11 @@ def layout(engine: Engine) -> dict[str, Any]:
     return engine.kv_layout()
 
 
-def _spec_classes(group: dict[str, Any]) -> set[type]:
-    """The spec classes of a group's layers: vLLM 0.33 wraps every group's specs in
-    UniformTypeKVCacheSpecs, so the members are what tells the kinds apart."""
-    members = group.get("member_specs")
-    if members:
-        return {resolve_class(m["spec_class"]) for m in members.values()}
-    return {resolve_class(group["spec_class"])}
-
-
 def _groups_of(layout: dict[str, Any], spec_name: str) -> list[dict[str, Any]]:
     """Groups whose layers' spec class IS vLLM's class `spec_name` (identity, not a name)."""
     from vllm.v1 import kv_cache_interface
 
-    wanted = getattr(kv_cache_interface, spec_name)
-    return [g for g in layout["groups"] if _spec_classes(g) == {wanted}]
+    return groups_of(layout, getattr(kv_cache_interface, spec_name))
 
 
 def _block_size(layout: dict[str, Any]) -> int:
@@ -169,7 +159,7 @@ def _check_planned_layout(
 
     mla_class = getattr(kv_cache_interface, expect["mla_spec"])
     assert len(mla[0]["layer_names"]) == 2, f"MLA group: latent + indexer keys: {mla[0]}"
-    assert _spec_classes(mla[0]) == {mla_class}, f"MLA group specs: {mla[0]}"
+    assert spec_classes(mla[0]) == {mla_class}, f"MLA group specs: {mla[0]}"
     planned_groups = {g.kind: g for g in plan.groups}
     block = plan.block_size
     print(f"engine groups {kinds}; planner block {block}, tail {planned_groups['tail'].block_size}")

@@ -13,7 +13,7 @@ import pytest
 
 from glm5_matrix import compare
 from glm5_matrix.context import CellContext
-from glm5_matrix.engines import Engine, engine_spec, resolve_class
+from glm5_matrix.engines import Engine, engine_spec, groups_of, resolve_class
 from glm5_matrix.layout import LayoutPlan, plan_layout
 from glm5_matrix.profiles import Profile
 
@@ -64,7 +64,7 @@ def test_offload_round_trip(engine: Engine, profile: Profile, plan: LayoutPlan) 
     tail_spec = resolve_class(
         f"vllm.v1.kv_cache_interface.{profile.section('expect')['tail_spec']}"
     )
-    tail = [g for g in layout["groups"] if _classes(g) == {tail_spec}]
+    tail = groups_of(layout, tail_spec)
     assert len(tail) == 1, f"no single tail group: {[g['spec_class'] for g in layout['groups']]}"
     assert not tail[0]["prefix_cacheable"], f"the tail ring would be offloaded: {tail[0]}"
     offloaded = [g for g in layout["groups"] if g["prefix_cacheable"]]
@@ -107,8 +107,3 @@ def test_offload_round_trip(engine: Engine, profile: Profile, plan: LayoutPlan) 
     # repeat_* tolerances, as in test_greedy_reproducible_across_block_boundary).
     agreement = compare.check_resumed_agreement(cold, warm, tolerances, ("cold", "warm from CPU"))
     print(f"cold vs warm: {agreement.describe()}")
-
-
-def _classes(group: dict) -> set[type]:
-    members = group.get("member_specs") or {"": group}
-    return {resolve_class(m["spec_class"]) for m in members.values()}

@@ -84,3 +84,46 @@ def test_engine_spec_uses_random_weights_and_refuses_harness_args(monkeypatch) -
     profile.data["engine"]["load_format"] = "auto"
     with pytest.raises(UserError, match="'load_format' is set by the harness"):
         engines.engine_spec(_cell(), profile)
+
+
+# worker_kv_layout's data, as 0.33 gives it (members wrapped) and as a plain group; stdlib classes
+# stand in for vLLM's spec classes (resolution and identity are what is tested).
+LAYOUT = {
+    "groups": [
+        {
+            "spec_class": "collections.ChainMap",
+            "block_size": 64,
+            "page_size_bytes": 300,
+            "layer_names": ["latent", "indexer"],
+            "member_specs": {
+                "latent": {"spec_class": "collections.OrderedDict", "page_size_bytes": 200},
+                "indexer": {"spec_class": "collections.OrderedDict", "page_size_bytes": 100},
+            },
+        },
+        {
+            "spec_class": "collections.Counter",
+            "block_size": 4,
+            "page_size_bytes": 8,
+            "layer_names": ["tail"],
+        },
+    ]
+}
+
+
+def test_spec_classes_read_members_and_plain_groups() -> None:
+    from collections import Counter, OrderedDict
+
+    assert engines.spec_classes(LAYOUT["groups"][0]) == {OrderedDict}
+    assert engines.spec_classes(LAYOUT["groups"][1]) == {Counter}
+    assert engines.groups_of(LAYOUT, OrderedDict) == [LAYOUT["groups"][0]]
+    assert engines.groups_of(LAYOUT, dict) == []  # identity: OrderedDict is a dict subclass
+
+
+def test_layer_specs_per_layer() -> None:
+    from collections import Counter, OrderedDict
+
+    assert engines.layer_specs(LAYOUT) == {
+        "latent": (OrderedDict, 200, 64),
+        "indexer": (OrderedDict, 100, 64),
+        "tail": (Counter, 8, 4),
+    }
