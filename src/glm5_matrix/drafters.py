@@ -24,13 +24,12 @@ import functools
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from glm5_matrix.cache import ensure_folder
 from glm5_matrix.errors import UserError
 from glm5_matrix.layout import text_config
 from glm5_matrix.profiles import Profile
@@ -134,25 +133,15 @@ def synthesize_config(target_config: Mapping[str, Any], table: Mapping[str, Any]
 
 
 def ensure_synthesized(profile: Profile, cache_dir: Path) -> Path:
-    """The synthesized drafter's folder (config.json only), written once, atomically."""
+    """The synthesized drafter's folder (config.json only), written once into the cache."""
     config = synthesize_config(profile.config(), dflash_table(profile))
     text = json.dumps(config, indent=2, sort_keys=True) + "\n"
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]
-    target = cache_dir / f"dflash2-{profile.name}-{digest}"
-    if (target / "config.json").is_file():
-        return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=cache_dir))
-    try:
+
+    def write(staging: Path) -> None:
         (staging / "config.json").write_text(text)
-        try:
-            os.rename(staging, target)
-        except OSError:  # another process got there first with the same content
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+
+    return ensure_folder(cache_dir / f"dflash2-{profile.name}-{digest}", write, "config.json")
 
 
 def resolve_drafter(

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from glm5_matrix import processes
+from glm5_matrix.cache import vllm_cache_dir
 from glm5_matrix.compare import GreedyOutput
 from glm5_matrix.context import CellContext
 from glm5_matrix.errors import UserError
@@ -159,7 +160,7 @@ class Engine:
             INSECURE_SERIALIZATION: "1",
             # vLLM's caches (model-class inspection, compiled graphs) persist in the harness
             # cache, which saves ~15 s per start; ZMQ socket files go to a scratch folder.
-            "VLLM_CACHE_ROOT": str(vllm_cache_root()),
+            "VLLM_CACHE_ROOT": str(vllm_cache_dir()),
             "VLLM_RPC_BASE_PATH": str(rpc_dir),
         }
         for name, value in environment.items():
@@ -281,13 +282,6 @@ class Engine:
         """For each (layer, block id): that block's page of each of the layer's state tensors,
         as float32 numpy arrays, from rank 0."""
         return self.rpc(worker_read_pages, list(layer_blocks))[0]
-
-
-def vllm_cache_root() -> Path:
-    """Where the engines' vLLM caches live: next to the generated models."""
-    from glm5_matrix.tiny_hybrid import default_cache_dir
-
-    return default_cache_dir().parent / "vllm"
 
 
 def resolve_class(qualified_name: str) -> type:

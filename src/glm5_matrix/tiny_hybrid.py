@@ -10,9 +10,8 @@ Contract of ensure_model(cache_dir=None) -> Path:
 - returns a folder holding config.json, model.safetensors and tiny-hybrid.json (the manifest);
   no tokenizer (use skip_tokenizer_init / --skip-tokenizer-init and token-id prompts);
 - the folder is cache_dir/<name>-<hash of config, dtype, seed, init>; cache_dir defaults to
-  $GLM5_MATRIX_CACHE/models, else ~/.cache/glm5-matrix/models;
-- it is written into a temporary folder next to the target and renamed, so a folder that exists
-  is complete; concurrent callers are safe (the loser of the rename discards its copy);
+  glm5_matrix.cache.models_dir(), which also says how the folder is written once, atomically,
+  and safely for concurrent callers;
 - the same profile data gives the same folder name and the same bytes.
 """
 
@@ -21,18 +20,15 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from glm5_matrix.cache import ensure_folder, models_dir
 from glm5_matrix.errors import UserError
 from glm5_matrix.profiles import Profile, load_profile
 
 PROFILE = "tiny-hybrid-cpu"
-CACHE_VARIABLE = "GLM5_MATRIX_CACHE"
 MANIFEST = "tiny-hybrid.json"
 # Bump when the weight generator changes, so cached folders of an older generator are not reused.
 GENERATOR_VERSION = 1
@@ -101,32 +97,14 @@ class TinyHybridSpec:
         return f"{self.name}-{self.digest()}"
 
 
-def default_cache_dir() -> Path:
-    root = os.environ.get(CACHE_VARIABLE)
-    base = Path(root) if root else Path.home() / ".cache" / "glm5-matrix"
-    return base / "models"
-
-
 def ensure_model(cache_dir: Path | None = None, profile: str = PROFILE) -> Path:
     """The tiny model's folder, generated on first use (see the module docstring)."""
     spec = TinyHybridSpec.from_profile(load_profile(profile))
-    models = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = models / spec.folder_name
-    if (target / MANIFEST).is_file():
-        return target
-    models.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{spec.folder_name}.", dir=models))
-    try:
-        write_model(spec, staging)
-        try:
-            os.rename(staging, target)
-        except OSError:
-            # Another process renamed its copy first; the seed makes both identical.
-            if not (target / MANIFEST).is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    models = Path(cache_dir) if cache_dir is not None else models_dir()
+    # The folder name holds the digest of everything the weights depend on.
+    return ensure_folder(
+        models / spec.folder_name, lambda staging: write_model(spec, staging), MANIFEST
+    )
 
 
 def write_model(spec: TinyHybridSpec, folder: Path) -> None:

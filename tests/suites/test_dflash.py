@@ -21,13 +21,13 @@ from pathlib import Path
 import pytest
 
 from glm5_matrix import compare
+from glm5_matrix.cache import models_dir
 from glm5_matrix.compare import GreedyOutput
 from glm5_matrix.context import CellContext
 from glm5_matrix.drafters import Drafter, dflash_table, resolve_drafter
 from glm5_matrix.engines import Engine, engine_spec, layer_specs
 from glm5_matrix.layout import LayoutPlan, plan_layout, text_config
 from glm5_matrix.profiles import Profile
-from glm5_matrix.tiny_hybrid import default_cache_dir
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("no_surviving_children")]
 
@@ -42,7 +42,7 @@ SPEC_METRICS = (
 
 @pytest.fixture(scope="module")
 def drafter(profile: Profile) -> Drafter:
-    found = resolve_drafter(profile, default_cache_dir())
+    found = resolve_drafter(profile, models_dir())
     print(f"drafter: {found.path} ({found.source}), taps {list(found.taps)}")
     return found
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from glm5_matrix import tiny_hybrid
@@ -27,13 +25,6 @@ def test_folder_name_follows_every_input() -> None:
     assert _spec(init_gain=2.0).folder_name != base.folder_name
     config = dict(base.config, vocab_size=base.config["vocab_size"] * 2)
     assert _spec(config=config).folder_name != base.folder_name
-
-
-def test_default_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv(tiny_hybrid.CACHE_VARIABLE, str(tmp_path))
-    assert tiny_hybrid.default_cache_dir() == tmp_path / "models"
-    monkeypatch.delenv(tiny_hybrid.CACHE_VARIABLE)
-    assert tiny_hybrid.default_cache_dir() == Path.home() / ".cache" / "glm5-matrix" / "models"
 
 
 def test_hf_config_counts_layers_from_layer_types() -> None:
