@@ -173,11 +173,9 @@ def check_greedy_agreement(
     `min_matched` equal leading tokens are required in any case. Raises AssertionError saying
     which rule broke; returns the agreement for the caller to print.
     """
-    total = min(len(a.token_ids), len(b.token_ids))
-    if len(a.token_ids) != len(b.token_ids):
-        raise AssertionError(
-            f"{names[0]} has {len(a.token_ids)} tokens, {names[1]} {len(b.token_ids)}"
-        )
+    total = len(a.token_ids)
+    if len(b.token_ids) != total:
+        raise AssertionError(f"{names[0]} has {total} tokens, {names[1]} {len(b.token_ids)}")
     deltas = matched_logprob_deltas(a.token_ids, a.logprobs, b.token_ids, b.logprobs)
     matched = len(deltas)
     shown = f"\n{names[0]}: {list(a.token_ids)}\n{names[1]}: {list(b.token_ids)}"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import random
 import shutil
 import tempfile
 import time
@@ -250,6 +251,11 @@ class Engine:
                 totals[metric.name] = totals.get(metric.name, 0.0) + float(value)
         return totals
 
+    def random_prompt(self, length: int, seed: int) -> list[int]:
+        """`length` token ids drawn uniformly from this model's vocabulary with `seed`."""
+        vocab = int(self.llm.llm_engine.model_config.get_vocab_size())
+        return random_prompt(vocab, length, seed)
+
     def reset_prefix_cache(self) -> bool:
         return bool(self.llm.reset_prefix_cache())
 
@@ -282,6 +288,13 @@ class Engine:
         """For each (layer, block id): that block's page of each of the layer's state tensors,
         as float32 numpy arrays, from rank 0."""
         return self.rpc(worker_read_pages, list(layer_blocks))[0]
+
+
+def random_prompt(vocab_size: int, length: int, seed: int) -> list[int]:
+    """Token ids drawn uniformly from [0, vocab_size) with `seed`: prompts without a tokenizer,
+    the same on every run and in every process."""
+    rng = random.Random(seed)
+    return [rng.randrange(vocab_size) for _ in range(length)]
 
 
 def resolve_class(qualified_name: str) -> type:

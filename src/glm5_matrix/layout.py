@@ -295,9 +295,10 @@ def plan_layout(
 def _drafter_group(drafter: Mapping[str, Any], tp: int, block: int, kv_bytes: int) -> LayoutGroup:
     """A drafter's GQA layers: one FullAttentionSpec page per layer of K and V for its KV heads
     on this rank (replicated when TP exceeds them)."""
-    layers = _field(dict(drafter), "num_hidden_layers")
-    kv_heads = max(1, _field(dict(drafter), "num_key_value_heads") // tp)
-    head_dim = _field(dict(drafter), "head_dim")
+    config = dict(drafter)
+    layers = _field(config, "num_hidden_layers")
+    kv_heads = max(1, _field(config, "num_key_value_heads") // tp)
+    head_dim = _field(config, "head_dim")
     per_token = 2 * kv_heads * head_dim * kv_bytes
     return LayoutGroup(
         kind="draft",

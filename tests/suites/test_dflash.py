@@ -13,7 +13,6 @@ drafter. The drafter is the profile's synthesized one unless GLM5_DFLASH2_DRAFT 
 from __future__ import annotations
 
 import json
-import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,7 @@ from glm5_matrix.cache import models_dir
 from glm5_matrix.compare import GreedyOutput
 from glm5_matrix.context import CellContext
 from glm5_matrix.drafters import Drafter, dflash_table, resolve_drafter
-from glm5_matrix.engines import Engine, engine_spec, layer_specs
+from glm5_matrix.engines import Engine, engine_spec, layer_specs, random_prompt
 from glm5_matrix.layout import LayoutPlan, plan_layout, text_config
 from glm5_matrix.profiles import Profile
 
@@ -61,8 +60,7 @@ def plan(cell: CellContext, profile: Profile, drafter: Drafter) -> LayoutPlan:
 @pytest.fixture(scope="module")
 def prompt(profile: Profile) -> list[int]:
     vocab = int(text_config(profile.config())["vocab_size"])
-    rng = random.Random(int(profile.section("prompts")["seed"]))
-    return [rng.randrange(vocab) for _ in range(PROMPT_TOKENS)]
+    return random_prompt(vocab, PROMPT_TOKENS, int(profile.section("prompts")["seed"]))
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ The `cell` and `profile` fixtures come from tests/suites/conftest.py."""
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 from typing import Any
 
@@ -52,9 +51,7 @@ def _block_size(layout: dict[str, Any]) -> int:
 
 
 def _prompt(profile: Profile, engine: Engine, length: int) -> list[int]:
-    vocab = int(engine.llm.llm_engine.model_config.get_vocab_size())
-    rng = random.Random(int(profile.section("prompts")["seed"]))
-    return [rng.randrange(vocab) for _ in range(length)]
+    return engine.random_prompt(length, int(profile.section("prompts")["seed"]))
 
 
 def _null_block_id() -> int:

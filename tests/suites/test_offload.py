@@ -5,7 +5,6 @@ not change. Both connectors need a CUDA GPU (their worker side refuses the CPU p
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Iterator
 
@@ -73,9 +72,7 @@ def test_offload_round_trip(engine: Engine, profile: Profile, plan: LayoutPlan) 
     assert blocks == {plan.block_size}, f"engine blocks {blocks} != planned {plan.block_size}"
     block = plan.block_size
     length = int(prompts["long_blocks"] * block)
-    vocab = int(engine.llm.llm_engine.model_config.get_vocab_size())
-    rng = random.Random(int(prompts["seed"]))
-    prompt = [rng.randrange(vocab) for _ in range(length)]
+    prompt = engine.random_prompt(length, int(prompts["seed"]))
     max_tokens = int(prompts["max_tokens"])
 
     cold = engine.generate_scored(prompt, max_tokens, TOP_LOGPROBS)

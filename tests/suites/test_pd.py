@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import random
 import shutil
 import sys
 from collections.abc import Iterator
@@ -26,7 +25,7 @@ import pytest
 
 from glm5_matrix import compare, disagg, servers
 from glm5_matrix.context import CellContext
-from glm5_matrix.engines import engine_spec
+from glm5_matrix.engines import engine_spec, random_prompt
 from glm5_matrix.profiles import Profile
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("no_surviving_children")]
@@ -134,8 +133,7 @@ def _snapshot(p: servers.VllmServer, d: servers.VllmServer) -> Snapshot:
 def _prompt(model: str, length: int, seed: int) -> list[int]:
     vocab = json.loads((Path(model) / "config.json").read_text())
     vocab_size = vocab.get("vocab_size") or vocab["text_config"]["vocab_size"]
-    rng = random.Random(seed)
-    return [rng.randrange(vocab_size) for _ in range(length)]
+    return random_prompt(vocab_size, length, seed)
 
 
 @pytest.fixture(scope="module")

@@ -127,3 +127,11 @@ def test_layer_specs_per_layer() -> None:
         "indexer": (OrderedDict, 100, 64),
         "tail": (Counter, 8, 4),
     }
+
+
+def test_random_prompt_is_reproducible_and_in_the_vocabulary() -> None:
+    prompt = engines.random_prompt(1000, 500, seed=7)
+    assert prompt == engines.random_prompt(1000, 500, seed=7)
+    assert prompt != engines.random_prompt(1000, 500, seed=8)
+    assert len(prompt) == 500 and min(prompt) >= 0 and max(prompt) < 1000
+    assert len(set(prompt)) > 300  # drawn, not a constant
