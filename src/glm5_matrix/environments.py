@@ -19,12 +19,11 @@ import re
 import shutil
 import subprocess
 import tempfile
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from glm5_matrix.errors import UserError
+from glm5_matrix.errors import UserError, load_toml
 
 ENVS_DIR = "envs"
 CONSTRAINTS_DIR = "constraints"
@@ -75,12 +74,7 @@ def requirement_name(requirement: str) -> str:
 
 def load_env(path: Path) -> EnvDefinition:
     """Read one envs/NAME.toml; a defect is a UserError naming the file and the field."""
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{path}: environment definition not found") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise UserError(f"{path}: not valid TOML: {exc}") from None
+    data = load_toml(path, "environment definition")
     for key, value in data.items():
         expected = _FIELDS.get(key)
         if expected is None:

@@ -11,7 +11,6 @@ matching and version logic is plain Python for the unit tests.
 from __future__ import annotations
 
 import fnmatch
-import tomllib
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 import pytest
 from packaging.version import InvalidVersion, Version
 
-from glm5_matrix.errors import UserError
+from glm5_matrix.errors import UserError, load_toml
 
 REGISTRY_FILE = "known-failures.toml"
 # The distributions vLLM ships under (the CPU build is its own project on PyPI).
@@ -54,12 +53,9 @@ class KnownFailure:
 
 def load_registry(path: Path) -> list[KnownFailure]:
     """The entries of known-failures.toml; a malformed file is one clear error."""
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
+    if not path.is_file():
         return []
-    except tomllib.TOMLDecodeError as error:
-        raise UserError(f"{path}: not valid TOML: {error}") from None
+    data = load_toml(path, "known-failures file")
     entries = data.pop("failure", [])
     if data:
         raise UserError(f"{path}: unknown table(s) {sorted(data)}; only [[failure]] entries")

@@ -8,12 +8,11 @@ the noxfile only registers what this module returns.
 from __future__ import annotations
 
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from glm5_matrix.errors import UserError
+from glm5_matrix.errors import UserError, load_toml
 
 MATRIX_FILE = "matrix.toml"
 SUITES = ("e2e", "offload", "pd", "dflash", "layout", "metadata", "unit", "lint")
@@ -156,12 +155,7 @@ def parse_compute_capability(text: str) -> tuple[int, int]:
 
 def load_matrix(path: Path, known_envs: set[str] | None = None) -> Matrix:
     """Read and validate matrix.toml; any defect is a UserError naming the file and the field."""
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{path}: matrix file not found") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise UserError(f"{path}: not valid TOML: {exc}") from None
+    data = load_toml(path, "matrix file")
     unknown_top = set(data) - {"cells"}
     if unknown_top:
         raise UserError(f"{path}: unknown top-level key {sorted(unknown_top)[0]!r}")

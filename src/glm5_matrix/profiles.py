@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from glm5_matrix.errors import UserError
+from glm5_matrix.errors import UserError, load_toml
 
 
 def repo_root() -> Path:
@@ -64,8 +63,4 @@ def load_profile(name: str) -> Profile:
         raise UserError(
             f"unknown profile {name!r} (profiles: {', '.join(profile_names()) or 'none'})"
         )
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise UserError(f"{path}: not valid TOML: {exc}") from None
-    return Profile(name=name, directory=directory, data=data)
+    return Profile(name=name, directory=directory, data=load_toml(path, "profile"))
