@@ -1,8 +1,8 @@
 """Managed in-process vLLM engines for the suites.
 
 An Engine is built from the cell's profile: the model (the tiny hybrid, a checkpoint, or the
-profile's config with dummy weights), the profile's [engine] arguments, and the cell's
-parallelism. It is a context manager that always shuts vLLM down (vLLM's own shutdown API, then a
+profile's config with glm5-random weights), the profile's [engine] arguments, and the cell's
+settings (`cell_engine_args`: tensor parallelism, the MoE backend of the matrix axis). It is a context manager that always shuts vLLM down (vLLM's own shutdown API, then a
 bounded wait for the child processes it started; any left are killed by id and reported).
 
 Worker-side reads (KV layout, block tables, cache pages) go through `LLM.collective_rpc` with
@@ -10,8 +10,8 @@ module-level functions of this module, which needs VLLM_ALLOW_INSECURE_SERIALIZA
 Engine sets it in its own process environment for its lifetime only (the workers inherit it at
 spawn), never globally.
 
-Only what the CPU cell needs is implemented; the GPU GLM profile plugs in through the profile's
-[engine] table and `cell_engine_args` (tensor parallelism today; MoE backend and MTP later).
+The layout readers (spec_classes, groups_of, layer_specs) turn worker_kv_layout's plain data
+back into vLLM's classes in the test process.
 """
 
 from __future__ import annotations
