@@ -33,7 +33,7 @@ from glm5_matrix.compare import GreedyOutput
 from glm5_matrix.context import CellContext
 from glm5_matrix.errors import UserError
 from glm5_matrix.profiles import Profile, load_profile
-from glm5_matrix.reports import record_engine_start
+from glm5_matrix.results import record_engine_start
 
 INSECURE_SERIALIZATION = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 SHUTDOWN_TIMEOUT_S = 30.0

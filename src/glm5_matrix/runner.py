@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from glm5_matrix import context as cell_context
-from glm5_matrix import environments, hardware, reports, weights
+from glm5_matrix import environments, hardware, results, weights
 from glm5_matrix.errors import UserError
 from glm5_matrix.matrix import MATRIX_FILE, Matrix, Variant, load_matrix
 from glm5_matrix.profiles import load_profile, repo_root
@@ -124,7 +124,7 @@ def run_variant(session: Any, variant: Variant) -> None:
     )
     ctx = replace(ctx, environment={**built.environment, **variant.cell.environment})
     context_file = out / "context.json"
-    reports.write_json_atomic(context_file, asdict(ctx))
+    results.write_json_atomic(context_file, asdict(ctx))
 
     run_env = dict(ctx.environment)
     run_env[cell_context.CONTEXT_VARIABLE] = str(context_file)
@@ -155,7 +155,7 @@ def run_variant(session: Any, variant: Variant) -> None:
         "pytest",
         *cell.tests,
         "-p",
-        "glm5_matrix.reports",
+        "glm5_matrix.results",
         "-p",
         "glm5_matrix.known_failures",
         f"--junitxml={out / 'junit.xml'}",
@@ -165,4 +165,4 @@ def run_variant(session: Any, variant: Variant) -> None:
     try:
         session.run(*pytest, env=run_env, external=True)
     finally:
-        session.log(f"{variant.id}: {reports.summarize(out)}")
+        session.log(f"{variant.id}: {results.summarize(out)}")

@@ -28,7 +28,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from glm5_matrix import processes, reports
+from glm5_matrix import processes, results
 
 HOST = "127.0.0.1"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -199,7 +199,7 @@ class VllmServer:
             self.stop()
             raise
         self.startup_seconds = time.monotonic() - self._launched_at
-        reports.record_engine_start(f"server:{self.label}", self.startup_seconds)
+        results.record_engine_start(f"server:{self.label}", self.startup_seconds)
 
     def start(self) -> VllmServer:
         """Launch and wait until healthy; on any failure the server is stopped, then raised."""

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from glm5_matrix import processes, reports, servers
+from glm5_matrix import processes, results, servers
 
 
 def _alive(pid: int) -> bool:
@@ -248,7 +248,7 @@ def test_start_and_stop_a_server(tmp_path: Path) -> None:
         "STUB_REPORT": str(report),
         "EXTRA": "yes",
     }
-    starts_before = len(reports.engine_starts())
+    starts_before = len(results.engine_starts())
     server = servers.VllmServer(
         "stub", "/models/x", ["--max-model-len", "64"], env, log_dir=tmp_path / "logs"
     )
@@ -276,7 +276,7 @@ def test_start_and_stop_a_server(tmp_path: Path) -> None:
     assert not _alive(server.proc.pid)
     assert not _alive(seen["child"])
     assert not Path(seen["env"]["VLLM_RPC_BASE_PATH"]).exists()
-    starts = reports.engine_starts()[starts_before:]
+    starts = results.engine_starts()[starts_before:]
     assert [s.label for s in starts] == ["server:stub"]
     assert starts[0].seconds == pytest.approx(server.startup_seconds, abs=0.01)
 

@@ -1,8 +1,10 @@
 """Per-cell results: a pytest plugin that writes results.json (outcome and wall time per test,
-engine starts), and the summary the runner prints at the end of a cell.
+engine starts, the figures the suites measured), and the summary the runner prints at the end
+of a cell.
 
-Engines and servers call record_engine_start() when one comes up; the plugin files each start
-under the test (or fixture setup) that was running.
+Engines and servers call record_engine_start() when one comes up; suites call record_figure()
+for each number they measure and judge (a block size against the planner's, a delta against
+its noise floor). The plugin files each under the test (or fixture setup) that was running.
 """
 
 from __future__ import annotations
@@ -25,9 +27,22 @@ class EngineStart:
 
 
 @dataclass
+class Figure:
+    """A number a suite measured, with what it was judged against (when it was)."""
+
+    name: str  # dotted, e.g. "repeat.noise_floor", "layout.block_size"
+    value: Any  # a number, or a short string / list for what is not one
+    limit: Any = None  # what the value was compared with
+    relation: str | None = None  # how: "<=", ">=", "==", ">" or "<"
+    unit: str | None = None  # "tokens", "bytes", "nats", "s", ...
+    test: str | None = None
+
+
+@dataclass
 class _State:
     current_test: str | None = None
     engine_starts: list[EngineStart] = field(default_factory=list)
+    figures: list[Figure] = field(default_factory=list)
 
 
 _STATE = _State()
@@ -40,6 +55,25 @@ def record_engine_start(label: str, seconds: float) -> None:
 
 def engine_starts() -> list[EngineStart]:
     return list(_STATE.engine_starts)
+
+
+def record_figure(
+    name: str,
+    value: Any,
+    *,
+    limit: Any = None,
+    relation: str | None = None,
+    unit: str | None = None,
+) -> None:
+    """Record a measured figure (and, where it is judged, its limit and relation) into the
+    cell's results.json, under the running test. Values must be JSON-serializable."""
+    if relation not in (None, "<=", ">=", "==", "<", ">"):
+        raise ValueError(f"relation {relation!r} is not one of <=, >=, ==, <, >")
+    _STATE.figures.append(Figure(name, value, limit, relation, unit, _STATE.current_test))
+
+
+def figures() -> list[Figure]:
+    return list(_STATE.figures)
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -88,6 +122,7 @@ class ResultsPlugin:
                 "outcomes": outcomes,
                 "tests": self.tests,
                 "engine_starts": [asdict(s) for s in _STATE.engine_starts],
+                "figures": [asdict(f) for f in _STATE.figures],
             },
         )
 
@@ -108,7 +143,7 @@ def summarize(results_dir: Path) -> str:
 
 
 def pytest_configure(config: Any) -> None:
-    """Loaded with `-p glm5_matrix.reports` by the runner: record results into the cell's folder."""
+    """Loaded with `-p glm5_matrix.results` by the runner: record results into the cell's folder."""
     from glm5_matrix.context import CONTEXT_VARIABLE, current
 
     if not os.environ.get(CONTEXT_VARIABLE):
