@@ -217,23 +217,41 @@ class Engine:
         """Greedy tokens for one token-id prompt."""
         return list(self._generate(prompt, max_tokens, logprobs=None).outputs[0].token_ids)
 
-    def generate_scored(self, prompt: Sequence[int], max_tokens: int, top: int) -> GreedyOutput:
+    def generate_scored(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int,
+        top: int,
+        logit_bias: dict[int, float] | None = None,
+    ) -> GreedyOutput:
         """Greedy tokens with the chosen token's logprob and the `top` best candidates per step
-        (what compare.check_greedy_agreement needs to tell rounding from a real difference)."""
-        request = self._generate(prompt, max_tokens, logprobs=top)
+        (what compare's noise-floor rule needs to tell rounding from a real difference). A
+        `logit_bias` steers the choice only: the logprobs are vLLM's raw ones, computed before
+        any logits processor."""
+        request = self._generate(prompt, max_tokens, logprobs=top, logit_bias=logit_bias)
         output = request.outputs[0]
         tokens = list(output.token_ids)
         steps = [{int(t): float(lp.logprob) for t, lp in step.items()} for step in output.logprobs]
         chosen = [step[token] for token, step in zip(tokens, steps, strict=True)]
         return GreedyOutput(tokens, chosen, steps, int(request.num_cached_tokens or 0))
 
-    def _generate(self, prompt: Sequence[int], max_tokens: int, logprobs: int | None) -> Any:
+    def _generate(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int,
+        logprobs: int | None,
+        logit_bias: dict[int, float] | None = None,
+    ) -> Any:
         """vLLM's RequestOutput of one greedy request (no EOS stop: a fixed number of tokens)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(
-            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs
+            temperature=0.0,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            logprobs=logprobs,
+            logit_bias=logit_bias,
         )
         return self.llm.generate(
             [TokensPrompt(prompt_token_ids=list(prompt))], params, use_tqdm=False
@@ -251,12 +269,18 @@ class Engine:
                 totals[metric.name] = totals.get(metric.name, 0.0) + float(value)
         return totals
 
+    def vocab_size(self) -> int:
+        return int(self.llm.llm_engine.model_config.get_vocab_size())
+
     def random_prompt(self, length: int, seed: int) -> list[int]:
         """`length` token ids drawn uniformly from this model's vocabulary with `seed`."""
-        vocab = int(self.llm.llm_engine.model_config.get_vocab_size())
-        return random_prompt(vocab, length, seed)
+        return random_prompt(self.vocab_size(), length, seed)
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_connector: bool = False) -> bool:
+        """Drop the GPU prefix cache (and, with `reset_connector`, the KV connector's, e.g. the
+        CPU offload store); False while blocks are still in flight."""
+        if reset_connector:
+            return bool(self.llm.reset_prefix_cache(reset_connector=True))
         return bool(self.llm.reset_prefix_cache())
 
     def rpc(self, function: Any, *args: Any) -> list[Any]:
@@ -295,6 +319,22 @@ def random_prompt(vocab_size: int, length: int, seed: int) -> list[int]:
     the same on every run and in every process."""
     rng = random.Random(seed)
     return [rng.randrange(vocab_size) for _ in range(length)]
+
+
+def with_other_tokens(
+    prompt: Sequence[int], start: int, end: int, vocab_size: int, seed: int
+) -> list[int]:
+    """`prompt` with its tokens [start, end) drawn anew with `seed`: the prompt a stale or wrong
+    cached state of that span amounts to (a negative control for comparisons across a cached
+    block). Every redrawn token differs from the one it replaces."""
+    if not 0 <= start < end <= len(prompt):
+        raise ValueError(f"span [{start}, {end}) is not inside a {len(prompt)}-token prompt")
+    rng = random.Random(seed)
+    out = list(prompt)
+    for i in range(start, end):
+        token = rng.randrange(vocab_size - 1)
+        out[i] = token if token < out[i] else token + 1
+    return out
 
 
 def resolve_class(qualified_name: str) -> type:

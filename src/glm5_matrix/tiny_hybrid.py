@@ -31,7 +31,7 @@ from glm5_matrix.profiles import Profile, load_profile
 PROFILE = "tiny-hybrid-cpu"
 MANIFEST = "tiny-hybrid.json"
 # Bump when the weight generator changes, so cached folders of an older generator are not reused.
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 _LAYER_TYPES = ("linear_attention", "full_attention")
 
 
@@ -194,7 +194,9 @@ def weight_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 def generate_weights(spec: TinyHybridSpec) -> dict[str, Any]:
     """Random weights, deterministic in the seed, scaled so activations keep unit size.
 
-    Matrices: normal(0, gain / sqrt(fan_in)). Embeddings: normal(0, embedding_std). Norms
+    Matrices: normal(0, gain / sqrt(fan_in)); the output head's rows are further scaled like
+    glm5-random's (weights.head_row_scales), so greedy choices win by a margin and do not fall
+    to the tie-break. Embeddings: normal(0, embedding_std). Norms
     that vLLM applies as (1 + w) (GemmaRMSNorm: layer, final, q/k norms) get 0; the gated norm
     of the linear attention gets 1. A_log and dt_bias follow Mamba's init (decay rates in
     [1, 16], time steps in [1e-3, 1e-1]) so the recurrent state neither explodes nor vanishes.
@@ -227,4 +229,9 @@ def _init(name: str, shape: tuple[int, ...], spec: TinyHybridSpec, generator: An
     if name == "model.embed_tokens.weight":
         return torch.randn(shape, generator=generator) * spec.embedding_std
     fan_in = math.prod(shape[1:])
-    return torch.randn(shape, generator=generator) * (spec.init_gain / math.sqrt(fan_in))
+    matrix = torch.randn(shape, generator=generator) * (spec.init_gain / math.sqrt(fan_in))
+    if name == "lm_head.weight":
+        from glm5_matrix.weights import head_row_scales
+
+        matrix *= torch.from_numpy(head_row_scales(shape[0], seed=spec.seed))[:, None]
+    return matrix

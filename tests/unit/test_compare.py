@@ -88,73 +88,146 @@ def test_checkpoint_pages_reject_stale_or_missing_pages() -> None:
         )
 
 
-def test_matched_logprob_deltas_stop_at_first_differing_token() -> None:
-    deltas = compare.matched_logprob_deltas(
-        [5, 6, 7, 8], [-0.1, -0.2, -0.3, -0.4], [5, 6, 9, 8], [-0.15, -0.2, -5.0, -0.4]
-    )
-    # Position 2 differs (7 vs 9): neither it nor the equal token after it is compared.
-    assert deltas == pytest.approx([0.05, 0.0])
-
-
-def test_matched_logprob_deltas_edge_cases() -> None:
-    assert compare.matched_logprob_deltas([1], [-1.0], [2], [-1.0]) == []
-    assert compare.matched_logprob_deltas([1, 2], [-1.0, -2.0], [1], [-1.5]) == [0.5]
-    with pytest.raises(ValueError, match="2 tokens but 1 logprobs"):
-        compare.matched_logprob_deltas([1, 2], [-1.0], [1, 2], [-1.0, -2.0])
+STEP = 2.0**-5  # one bf16 step of logits in [4, 8)
 
 
 def _run(tokens: list[int], top: list[dict[int, float]]) -> compare.GreedyOutput:
     return compare.GreedyOutput(tokens, [step[t] for t, step in zip(tokens, top, strict=True)], top)
 
 
-def test_greedy_agreement_equal_outputs() -> None:
-    top = [{5: -0.1, 6: -2.0}, {7: -0.5, 8: -1.5}]
-    agreement = compare.check_greedy_agreement(
-        _run([5, 7], top), _run([5, 7], top), min_matched=2, logprob_abs=0.0
-    )
-    assert (agreement.matched, agreement.total, agreement.parting_gaps) == (2, 2, None)
+def _bf16_logits(rng: random.Random, vocab: int, spread: float) -> list[float]:
+    """Logits as a bf16 engine makes them: values in [4, 8) on the grid of one bf16 step."""
+    return [4.0 + round(rng.uniform(0.0, spread) / STEP) * STEP for _ in range(vocab)]
 
 
-def test_greedy_agreement_accepts_parting_at_a_near_tie() -> None:
-    a = _run([5, 7, 1], [{5: -0.1}, {7: -0.70, 8: -0.71}, {1: -0.2}])
-    b = _run([5, 8, 2], [{5: -0.12}, {8: -0.69, 7: -0.70}, {2: -0.3}])
-    agreement = compare.check_greedy_agreement(a, b, min_matched=1, logprob_abs=0.05)
-    assert agreement.matched == 1
-    assert agreement.parting_gaps is not None
-    assert [round(g, 3) for g in agreement.parting_gaps] == [0.01, 0.01]
+def _greedy(logits_per_step: list[list[float]], top: int = 5) -> compare.GreedyOutput:
+    """A greedy output with top-`top` logprobs from per-step logits (ties to the lower id)."""
+    tokens, scored = [], []
+    for logits in logits_per_step:
+        lse = math.log(math.fsum(math.exp(v) for v in logits))
+        order = sorted(range(len(logits)), key=lambda t: (-logits[t], t))
+        tokens.append(order[0])
+        scored.append({t: logits[t] - lse for t in order[:top]})
+    return _run(tokens, scored)
+
+
+def _engine(seed: int, steps: int = 12, vocab: int = 64) -> list[list[float]]:
+    """Per-step logits of a fixed 'model' (seed), on the bf16 grid, with clear winners."""
+    model = random.Random(seed)
+    out = []
+    for _ in range(steps):
+        logits = _bf16_logits(model, vocab, 2.5)
+        logits[model.randrange(vocab)] += 1.0  # a clear winner
+        out.append(logits)
+    return out
+
+
+def _nudged(logits: list[list[float]], steps: int, every: int = 3) -> list[list[float]]:
+    """The same logits with every `every`-th token's logit moved up by `steps` bf16 steps: what
+    a rerun of the request does to some logits on the GPU (one or two steps)."""
+    return [
+        [v + steps * STEP if t % every == 0 else v for t, v in enumerate(row)] for row in logits
+    ]
+
+
+def test_bf16_step() -> None:
+    assert compare.bf16_step(8.1) == 2.0**-4
+    assert compare.bf16_step(-7.9) == 2.0**-5
+    assert compare.bf16_step(1.0) == 2.0**-7
+    assert compare.bf16_step(0.0) == 0.0
+
+
+def test_logit_step_is_read_off_the_candidates_grid() -> None:
+    output = _greedy(_engine(1))
+    assert compare.logit_step(output) == STEP
+    # A model whose logits are no bf16 numbers: one bf16 step at the logprobs' magnitude.
+    rng = random.Random(3)
+    smooth = _greedy([[rng.uniform(0, 3) for _ in range(64)] for _ in range(8)])
+    magnitude = sorted(abs(v) for v in smooth.logprobs)[len(smooth.logprobs) // 2]
+    assert compare.logit_step(smooth) == compare.bf16_step(magnitude)
+
+
+def test_identical_runs_agree_with_a_zero_floor() -> None:
+    a = _greedy(_engine(1))
+    floor = compare.noise_floor(a, _greedy(_engine(1)))
+    assert floor.worst == 0.0 and floor.tolerance == STEP
+    agreement = compare.check_agreement(a, _greedy(_engine(1)), floor, ("cold", "repeat"))
+    assert (agreement.matched, agreement.total, agreement.parting_gaps) == (12, 12, None)
+
+
+def test_a_run_within_the_floor_plus_one_step_agrees() -> None:
+    logits = _engine(1)
+    reference = _greedy(logits)
+    floor = compare.noise_floor(reference, _greedy(_nudged(logits, 1)), ("a", "a'"))
+    assert floor.worst == pytest.approx(STEP, rel=0.1)  # one step, less the logsumexp's shift
+    assert floor.tolerance == pytest.approx(2 * STEP, rel=0.05)
+    # A run one step beyond the floor agrees; two steps beyond it does not.
+    compare.check_agreement(reference, _greedy(_nudged(logits, 2)), floor, ("a", "b"))
+    with pytest.raises(AssertionError, match=r"\|delta\| 0\.064\d+ > tolerance 0\.0625"):
+        compare.check_agreement(reference, _greedy(_nudged(logits, 3)), floor, ("a", "b"))
+
+
+def test_parting_at_a_near_tie_within_the_tolerance_is_accepted() -> None:
+    tie = {5: -1.0, 6: -1.0, 7: -3.0}
+    a = _run([1, 5, 9], [{1: -0.5, 2: -2.0}, tie, {9: -0.1}])
+    b = _run([1, 6, 3], [{1: -0.5, 2: -2.0}, {6: -1.0, 5: -1.0 - STEP, 7: -3.0}, {3: -0.2}])
+    floor = compare.NoiseFloor(0.0, STEP, compare.noise_floor(a, a).agreement)
+    agreement = compare.check_agreement(a, b, floor, ("a", "b"))
+    assert agreement.matched == 1 and agreement.compared_steps == 2
+    assert agreement.parting_gaps == (0.0, STEP)
     assert "near-tie" in agreement.describe()
 
 
-def test_greedy_agreement_rejects_a_clear_winner_at_the_parting_step() -> None:
-    a = _run([5, 7], [{5: -0.1}, {7: -0.1, 8: -3.0}])
-    b = _run([5, 8], [{5: -0.1}, {8: -0.1, 7: -3.0}])
-    with pytest.raises(AssertionError, match=r"prefers 7 over 8 by 2\.9"):
-        compare.check_greedy_agreement(a, b, min_matched=1, logprob_abs=0.1)
+@pytest.mark.parametrize(
+    ("b", "message"),
+    [
+        # parts at a clear winner
+        (
+            _run([1, 6], [{1: -0.5, 2: -2.0}, {6: -0.97, 5: -1.02, 7: -3.0}]),
+            r"step 1: b prefers 6 over 5 by 0\.0500 > tolerance",
+        ),
+        # parts at a token the other run did not score
+        (
+            _run([1, 8], [{1: -0.5, 2: -2.0}, {8: -0.9, 6: -1.0, 7: -3.0}]),
+            "step 1: a's candidates .* lack the other side's token 8",
+        ),
+        # same tokens, a candidate scored otherwise
+        (
+            _run([1, 5], [{1: -0.5, 2: -2.5}, {5: -1.0, 6: -1.0, 7: -3.0}]),
+            r"step 0: token 2 scores -2\.0000 in a and -2\.5000 in b",
+        ),
+        (_run([1], [{1: -0.5}]), "a has 2 tokens, b 1"),
+    ],
+)
+def test_the_rule_rejects(b: compare.GreedyOutput, message: str) -> None:
+    a = _run([1, 5], [{1: -0.5, 2: -2.0}, {5: -1.0, 6: -1.0, 7: -3.0}])
+    floor = compare.NoiseFloor(0.0, STEP, compare.noise_floor(a, a).agreement)
+    with pytest.raises(AssertionError, match=message):
+        compare.check_agreement(a, b, floor, ("a", "b"))
+    assert message.split(":")[0].split(" ")[0] in compare.check_rejected(a, b, floor, ("a", "b"))
 
 
-def test_greedy_agreement_rejects_a_token_outside_the_other_top() -> None:
-    a = _run([5, 7], [{5: -0.1}, {7: -0.1, 9: -0.2}])
-    b = _run([5, 8], [{5: -0.1}, {8: -0.1, 7: -0.15}])
-    with pytest.raises(AssertionError, match="lacks the other side's token 8"):
-        compare.check_greedy_agreement(a, b, min_matched=1, logprob_abs=0.1)
+def test_a_control_that_passes_is_a_failure() -> None:
+    a = _greedy(_engine(1))
+    floor = compare.noise_floor(a, a)
+    with pytest.raises(AssertionError, match="negative control 'other' passes"):
+        compare.check_rejected(a, _greedy(_engine(1)), floor, ("ref", "other"))
+    # Another model state (another seed) is rejected at step 0.
+    reason = compare.check_rejected(a, _greedy(_engine(2)), floor, ("ref", "other"))
+    assert reason.startswith("step 0")
 
 
-def test_greedy_agreement_rejects_short_prefix_and_drifting_logprobs() -> None:
-    a = _run([5, 7], [{5: -0.1}, {7: -0.1, 8: -0.1}])
-    b = _run([5, 8], [{5: -0.1}, {8: -0.1, 7: -0.1}])
-    with pytest.raises(AssertionError, match="only 1 leading tokens equal, < 2"):
-        compare.check_greedy_agreement(a, b, min_matched=2, logprob_abs=1.0)
-    drift = _run([5, 7], [{5: -0.9}, {7: -0.1}])
-    with pytest.raises(AssertionError, match=r"step 0: same token, \|logprob delta\| 0.8000"):
-        compare.check_greedy_agreement(a, drift, min_matched=1, logprob_abs=0.5)
+def test_a_reference_that_parts_at_an_unscored_token_is_no_floor() -> None:
+    a = _run([1, 5], [{1: -0.5}, {5: -1.0, 6: -1.1}])
+    b = _run([1, 9], [{1: -0.5}, {9: -1.0, 5: -1.2}])
+    with pytest.raises(AssertionError, match="the reference run done twice: step 1"):
+        compare.noise_floor(a, b)
 
 
-def test_resumed_agreement_reads_the_repeat_tolerances() -> None:
-    a = _run([5, 7], [{5: -0.1}, {7: -0.70, 8: -0.71}])
-    b = _run([5, 8], [{5: -0.1}, {8: -0.70, 7: -0.71}])
-    loose = {"repeat_matching_prefix_tokens": 1, "repeat_logprob_abs": 0.05}
-    assert compare.check_resumed_agreement(a, b, loose, ("cold", "repeat")).matched == 1
-    with pytest.raises(AssertionError, match="only 1 leading tokens equal, < 2"):
-        compare.check_resumed_agreement(
-            a, b, {**loose, "repeat_matching_prefix_tokens": 2}, ("c", "r")
-        )
+def test_margins_and_decisiveness() -> None:
+    out = _run([1, 5, 9], [{1: -0.5, 2: -2.0}, {5: -1.0, 6: -1.0}, {9: -0.1}])
+    assert compare.margins(out) == [1.5, 0.0, math.inf]
+    found = compare.check_decisive(out, STEP, 40, "out")
+    assert (found.median_steps, found.least_steps, found.ties) == (48.0, 0.0, 1)
+    with pytest.raises(AssertionError, match="out is flat: greedy margins: median 48.0"):
+        compare.check_decisive(out, STEP, 49, "out")

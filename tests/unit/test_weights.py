@@ -8,9 +8,19 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
-from glm5_matrix.weights import LOAD_FORMAT, choose_init, scale_sibling, seed_for, write_plugin_site
+from glm5_matrix.weights import (
+    HEAD_GAIN,
+    HEAD_ZIPF_EXPONENT,
+    LOAD_FORMAT,
+    choose_init,
+    head_row_scales,
+    scale_sibling,
+    seed_for,
+    write_plugin_site,
+)
 
 
 def test_norm_weights_are_one_and_biases_zero():
@@ -71,3 +81,58 @@ def test_plugin_site_exposes_the_entry_point_vllm_loads(tmp_path):
 def test_ranges_are_finite_for_every_real_width():
     for fan_in in (1, 128, 512, 1536, 4096, 12288):
         assert math.isfinite(choose_init("weight", (8, fan_in), True, 16, "Linear").value)
+
+
+def test_the_output_head_gets_scaled_rows():
+    rule = choose_init("weight", (154880, 4096), True, 16, "ParallelLMHead")
+    assert rule.kind == "head" and rule.value**2 / 3 == pytest.approx(1 / 4096)
+    # The input embedding is no head; a quantized head keeps vLLM's rule for fp8 matrices.
+    assert choose_init("weight", (154880, 4096), True, 16, "VocabParallelEmbedding").kind == (
+        "uniform"
+    )
+    assert choose_init("weight", (154880, 4096), True, 8, "ParallelLMHead").kind == "uniform"
+
+
+def test_head_row_scales_are_a_seeded_zipf_law():
+    scales = head_row_scales(1000, seed=7)
+    assert scales.shape == (1000,)
+    assert sorted(scales.tolist(), reverse=True)[:3] == pytest.approx(
+        [HEAD_GAIN, HEAD_GAIN * 2**-HEAD_ZIPF_EXPONENT, HEAD_GAIN * 3**-HEAD_ZIPF_EXPONENT]
+    )
+    assert (head_row_scales(1000, seed=7) == scales).all()
+    assert not (head_row_scales(1000, seed=8) == scales).all()
+    # Shards slice one law over the whole head: two halves are the first 500 rows and the rest.
+    assert (head_row_scales(1000, seed=7)[500:] == scales[500:]).all()
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    """Round float32 values to bfloat16 (to nearest, ties to even), as the head's GEMM output."""
+    bits = x.astype(np.float32).view(np.uint32)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.view(np.float32)
+
+
+def _margins_in_steps(head: np.ndarray, steps: int, seed: int) -> np.ndarray:
+    """Greedy margins (best logit minus second best, in bf16 steps of the best) of `head` over
+    random unit-RMS hidden states, rounded to bf16 as the model's final norm output is."""
+    rng = np.random.default_rng(seed)
+    hidden = rng.standard_normal((steps, head.shape[1])).astype(np.float32)
+    hidden = _bf16(hidden / np.sqrt((hidden**2).mean(axis=1, keepdims=True)))
+    logits = _bf16(hidden @ head.T)
+    top2 = -np.sort(-logits, axis=1)[:, :2]
+    step = 2.0 ** (np.floor(np.log2(np.abs(top2[:, 0]))) - 7)
+    return (top2[:, 0] - top2[:, 1]) / step
+
+
+def test_scaled_rows_make_greedy_choices_win_by_a_margin():
+    """The head rule against a plain uniform head, simulated: the plain head's best logit is
+    within one bf16 step of the second at many steps; the scaled one's margins are far wider.
+    A smaller stand-in for GLM's 154,880 x 4096 head: 20,000 x 512, which gives the same
+    statistics (they depend on the vocabulary's size only through log(vocab))."""
+    vocab, hidden = 20000, 512
+    bound = math.sqrt(3.0 / hidden)
+    plain = np.random.default_rng(0).uniform(-bound, bound, (vocab, hidden)).astype(np.float32)
+    scaled = plain * head_row_scales(vocab, seed=1)[:, None]
+    flat, sharp = _margins_in_steps(plain, 300, 2), _margins_in_steps(scaled, 300, 2)
+    assert np.median(flat) < 12 and (flat < 1).mean() > 0.03
+    assert np.median(sharp) > 30 and (sharp < 1).mean() < 0.02
