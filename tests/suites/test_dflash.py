@@ -28,6 +28,7 @@ from glm5_matrix.drafters import Drafter, dflash_table, resolve_drafter
 from glm5_matrix.engines import Engine, engine_spec, layer_specs, random_prompt
 from glm5_matrix.layout import LayoutPlan, plan_layout, text_config
 from glm5_matrix.profiles import Profile
+from glm5_matrix.results import record_figure
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("no_surviving_children")]
 
@@ -154,6 +155,12 @@ def test_drafter_gets_kv_pages_beside_the_target(
         if cls is not classes["tail"]:
             assert block == plan.block_size, f"{name}: block {block} != {plan.block_size}"
     print(f"block {plan.block_size} for {plan.spec_tokens} draft tokens; drafter {drafter_layers}")
+    record_figure(
+        "layout.drafter_layers",
+        len(drafter_layers),
+        limit=len(planned["draft"].layers),
+        relation="==",
+    )
 
 
 def test_drafts_are_proposed_and_verified(drafted_run: DraftedRun, drafter: Drafter) -> None:
@@ -164,6 +171,8 @@ def test_drafts_are_proposed_and_verified(drafted_run: DraftedRun, drafter: Draf
         f"spec decode: {drafts:.0f} drafts, {proposed:.0f} draft tokens, {accepted:.0f} "
         f"accepted (acceptance {rate:.1%}, reported only: the drafter is untrained)"
     )
+    record_figure("spec_decode.drafts", drafts, limit=0, relation=">")
+    record_figure("spec_decode.acceptance", round(rate, 4))
     assert drafts > 0, f"no drafts were proposed: {moved}"
     assert proposed == drafts * drafter.num_speculative_tokens, moved
     assert 0 <= accepted <= proposed, moved

@@ -90,6 +90,8 @@ def test_kv_layout(
     start_block, expected_block, backend = _aligned_block_size(
         engine, attention[0]["backend_class"]
     )
+    record_figure("layout.block_size", block, limit=expected_block, relation="==", unit="tokens")
+    record_figure("layout.groups", kinds)
     assert block == expected_block, f"engine block {block} != vLLM's aligned block {expected_block}"
 
     # And it is the smallest aligned block whose attention page covers the Mamba state, the
@@ -167,6 +169,10 @@ def _check_planned_layout(
     planned_groups = {g.kind: g for g in plan.groups}
     block = plan.block_size
     print(f"engine groups {kinds}; planner block {block}, tail {planned_groups['tail'].block_size}")
+    record_figure(
+        "layout.block_size", mla[0]["block_size"], limit=block, relation="==", unit="tokens"
+    )
+    record_figure("layout.groups", kinds)
     assert mla[0]["block_size"] == block, f"MLA block {mla[0]['block_size']} != planned {block}"
     assert all(g["block_size"] == block for g in mamba), f"Mamba blocks: {mamba}"
     assert tail[0]["block_size"] == planned_groups["tail"].block_size, f"tail: {tail[0]}"
@@ -196,6 +202,7 @@ def test_moe_backend_is_the_one_asked(engine: Engine, cell: CellContext, profile
     wanted = profile.section("moe_backends").get("selected", {}).get(asked)
     used = engine.moe_backends()
     print(f"moe_backend={asked}: engine runs {sorted(used)}")
+    record_figure("moe.backend", sorted(used), limit=wanted, relation="==")
     assert used, "no FP8 MoE layer found in the model"
     assert set(used) == {wanted}, f"asked {asked} (-> {wanted}), engine runs {sorted(used)}"
 
@@ -217,6 +224,7 @@ def test_default_max_num_seqs(engine: Engine, profile: Profile, layout: dict[str
     default = int(config.scheduler_config.max_num_seqs)
     limits = engine.scheduler_limits()
     print(f"max_num_seqs: engine {limits['max_num_seqs']}, vLLM's default here {default}")
+    record_figure("scheduler.max_num_seqs", limits["max_num_seqs"], limit=default, relation="==")
     assert limits["max_num_seqs"] == default
     tokens = engine.generate_greedy(_prompt(profile, engine, 64), 4)
     assert len(tokens) == 4
@@ -304,6 +312,8 @@ def test_prefill_checkpoint_pages(engine: Engine, profile: Profile, layout: dict
 
     errors = compare.check_checkpoint_pages(cached, references, tolerance)
     print(f"checkpoint page relative errors (per state): {errors}")
+    worst = max(e for per_state in errors.values() for e in per_state)
+    record_figure("checkpoint.page_rel_error", worst, limit=tolerance, relation="<=")
     # The check tells groups apart on these very pages: another group's reference is rejected.
     if len(mamba) > 1:
         keys = sorted(references)

@@ -36,6 +36,7 @@ def engine(cell: CellContext, profile: Profile, plan: LayoutPlan) -> Iterator[En
     connector = CONNECTORS[cell.setting("kv_connector")]
     cpu_bytes = plan.offload_bytes(int(profile.section("offload")["cpu_blocks"]))
     print(f"{connector}: cpu_bytes_to_use {cpu_bytes:,} B")
+    record_figure("offload.cpu_bytes_to_use", cpu_bytes, unit="bytes")
     transfer = {
         "kv_connector": connector,
         "kv_role": "kv_both",
@@ -73,6 +74,7 @@ def test_offload_round_trip(engine: Engine, profile: Profile, plan: LayoutPlan) 
     offloaded = [g for g in layout["groups"] if g["prefix_cacheable"]]
     assert len(offloaded) == len(layout["groups"]) - 1, layout["groups"]
     blocks = {g["block_size"] for g in offloaded}
+    record_figure("layout.block_size", sorted(blocks), limit=plan.block_size, relation="==")
     assert blocks == {plan.block_size}, f"engine blocks {blocks} != planned {plan.block_size}"
     block = plan.block_size
     length = int(prompts["long_blocks"] * block)

@@ -27,6 +27,7 @@ from glm5_matrix import compare, disagg, judging, servers
 from glm5_matrix.context import CellContext
 from glm5_matrix.engines import engine_spec, random_prompt, with_other_tokens
 from glm5_matrix.profiles import Profile
+from glm5_matrix.results import record_figure
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("no_surviving_children")]
 
@@ -165,6 +166,7 @@ def record(
             print(f"\n{server.label} healthy after {server.startup_seconds:.0f} s")
         # The block size is vLLM's (the hybrid aligner raises it), read back from the server.
         block_size = int(disagg.cache_config(disagg.fetch_metrics(d.url))["block_size"])
+        record_figure("layout.block_size", block_size, unit="tokens")
         prompt = _prompt(model, round(float(pd["prompt_blocks"]) * block_size), seed=0)
         before = _snapshot(p, d)
         reference, reference_again = (
@@ -280,6 +282,8 @@ def test_kv_was_transferred(record: Record) -> None:
     params = record.first.prefill.kv_transfer_params
     assert params is not None
     print(f"\nfirst P->D, D counters moved by {d}")
+    record_figure("pd.first_bytes", d.nixl_bytes, limit=0, relation=">", unit="bytes")
+    record_figure("pd.first_external_hits", d.external_hits, unit="tokens")
     assert d.nixl_failed == 0
     assert d.nixl_transfers >= 1 and d.nixl_bytes > 0, d
     # D took from P exactly what P said it computed: nothing came from D's own cache.
@@ -296,6 +300,8 @@ def test_repeated_request_hits_decode_cache_or_moves_less(
     first = record.after_first.decode.minus(record.before.decode)
     second = record.after_second.decode.minus(record.after_first.decode)
     print(f"\nrepeated P->D, D counters moved by {second}")
+    record_figure("pd.repeat_bytes", second.nixl_bytes, limit=first.nixl_bytes, unit="bytes")
+    record_figure("pd.repeat_local_hits", second.local_hits, unit="tokens")
     assert second.nixl_failed == 0
     assert second.local_hits > 0 or second.nixl_bytes < first.nixl_bytes, (first, second)
     # Whatever D did not take from its cache still came from P.
@@ -384,6 +390,7 @@ def test_prefiller_with_other_weights_is_refused(
         assert b"NIXL compatibility hash mismatch" in log.read()
     delta = after.minus(before)
     print(f"\nrefused: HTTP {refused.value.status}; D counters moved by {delta}")
+    record_figure("pd.refused_bytes", delta.nixl_bytes, limit=0, relation="==", unit="bytes")
     # Nothing was moved and no prompt token was served from a transfer. (D's
     # external_prefix_cache_hits counts the tokens it was promised at admission, before the
     # handshake failed, so it is not a measure of use.)
