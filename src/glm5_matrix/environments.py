@@ -8,6 +8,10 @@ Every cell gets its own venv; cells of one definition share packages through uv'
 Which vLLM is tested can be overridden per run (GLM5_MATRIX_VLLM or `-- --vllm=...`): a version,
 a wheel file, or a local source checkout. GLM5_MATRIX_PYTHON names an interpreter that already
 holds the environment (an offline bundle on an air-gapped runner): nothing is built then.
+
+uv reads a definition's requirements as a generated pyproject.toml, so that a torch PyPI does not
+carry (`[torch_index]`) is pinned to the one source glm5_matrix.torch_source chooses; that choice
+is made, and checked with uv, before anything is built.
 """
 
 from __future__ import annotations
@@ -23,13 +27,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from glm5_matrix import torch_source
 from glm5_matrix.errors import UserError, load_toml
+from glm5_matrix.torch_source import TorchPin, TorchSource
 
 ENVS_DIR = "envs"
 CONSTRAINTS_DIR = "constraints"
 VLLM_VARIABLE = "GLM5_MATRIX_VLLM"
 PYTHON_VARIABLE = "GLM5_MATRIX_PYTHON"
 FINGERPRINT_FILE = ".glm5-matrix-env.json"
+DEFAULT_PYTHON = "3.11"
 _FIELDS = {
     "description": str,
     "python": str,
@@ -38,6 +45,7 @@ _FIELDS = {
     "excludes": list,
     "find_links": list,
     "index_urls": list,
+    "torch_index": dict,
     "environment": dict,
 }
 _REQUIREMENT_NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
@@ -54,6 +62,7 @@ class EnvDefinition:
     excludes: tuple[str, ...] = ()
     find_links: tuple[str, ...] = ()
     index_urls: tuple[str, ...] = ()
+    torch: TorchPin | None = None  # the exact torch and the index serving it ([torch_index])
     environment: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -104,8 +113,31 @@ def load_env(path: Path) -> EnvDefinition:
         description=data["description"],
         python=data.get("python"),
         vllm=data.get("vllm"),
+        torch=_torch_pin(path, data, lists["requirements"]),
         environment=dict(environment),
         **lists,
+    )
+
+
+def _torch_pin(path: Path, data: dict[str, Any], requirements: tuple[str, ...]) -> TorchPin | None:
+    """[torch_index] url = ..., name = ...: where the definition's exact torch comes from."""
+    table = data.get("torch_index")
+    if table is None:
+        return None
+    for key in ("url", "name"):
+        if not isinstance(table.get(key), str) or not table[key].strip():
+            raise UserError(f"{path}: torch_index.{key}: expected a non-empty string")
+    if set(table) - {"url", "name"}:
+        raise UserError(f"{path}: torch_index: known keys are url and name")
+    pinned = [r for r in requirements if requirement_name(r) == "torch" and "==" in r]
+    if not pinned:
+        raise UserError(f"{path}: torch_index needs an exact torch requirement (torch==VERSION)")
+    return TorchPin(
+        requirement=pinned[0].replace(" ", ""),
+        python=data.get("python") or DEFAULT_PYTHON,
+        index_url=table["url"].rstrip("/"),
+        index_name=table["name"],
+        definition=f"{ENVS_DIR}/{path.name}",
     )
 
 
@@ -168,11 +200,13 @@ class BuiltEnv:
     venv: Path | None
     reused: bool
     environment: dict[str, str]
+    torch: TorchSource | None = None  # where torch came from, for a build that pinned it
 
     def describe(self) -> str:
         if self.venv is None:
             return f"interpreter {self.python} (from {PYTHON_VARIABLE}; nothing built)"
-        return f"{'reused' if self.reused else 'built'} {self.venv}"
+        built = f"{'reused' if self.reused else 'built'} {self.venv}"
+        return f"{built}, torch from {self.torch.describe()}" if self.torch else built
 
 
 def uv_executable() -> str:
@@ -182,23 +216,36 @@ def uv_executable() -> str:
     return found
 
 
+def torch_source_for(env: EnvDefinition, environ: dict[str, str]) -> TorchSource | None:
+    """Where this build takes torch from (None: wherever uv's indexes have it); a source that
+    cannot serve the pinned torch is a UserError here, before anything is built."""
+    if env.torch is None:
+        return None
+    probe = torch_source.uv_probe(env.torch, uv_executable(), environ)
+    return torch_source.resolve(env.torch, environ, probe)
+
+
 def install_command(
-    env: EnvDefinition, python: Path, constraints: Path | None, override: VllmOverride | None
-) -> tuple[list[str], list[Path]]:
-    """The `uv pip install` command for a venv, and the temporary files it reads."""
+    env: EnvDefinition,
+    python: Path,
+    constraints: Path | None,
+    override: VllmOverride | None,
+    scratch: Path,
+    torch: TorchSource | None = None,
+) -> list[str]:
+    """The `uv pip install` command for a venv; the files it reads are written to `scratch`,
+    which must outlive the command."""
     command = [uv_executable(), "pip", "install", "--python", str(python)]
     if constraints is not None:
         command += ["--constraints", str(constraints)]
-    sources, temporary = _resolution_options(env)
-    command += sources
-    command += list(env.requirements)
+    command += _resolution_options(env, scratch)
+    vllm = [env.vllm] if env.vllm and override is None else []
+    command += ["--requirements", str(_project(env, scratch, [*env.requirements, *vllm], torch))]
     if override is not None:
         command += (
             ["--editable", override.requirement] if override.editable else [override.requirement]
         )
-    elif env.vllm:
-        command.append(env.vllm)
-    return command, temporary
+    return command
 
 
 def constraints_for(env: EnvDefinition, override: VllmOverride | None, venv: Path) -> Path | None:
@@ -264,27 +311,25 @@ def build(
                 return BuiltEnv(python, venv / "bin", venv, True, variables)
         except json.JSONDecodeError:
             pass
+    torch = torch_source_for(env, environ)
     marker.unlink(missing_ok=True)
     create = [uv_executable(), "venv", "--clear", "--quiet", str(venv)]
     if env.python:
         create += ["--python", env.python]
     run(create)
-    command, temporary = install_command(
-        env, python, constraints_for(env, override, venv), override
-    )
-    try:
-        run(command)
-    finally:
-        for path in temporary:
-            path.unlink(missing_ok=True)
+    constraints = constraints_for(env, override, venv)
+    with tempfile.TemporaryDirectory(prefix="glm5-matrix-") as scratch:
+        run(install_command(env, python, constraints, override, Path(scratch), torch))
     _write_atomic(marker, json.dumps(wanted, indent=2, sort_keys=True))
-    return BuiltEnv(python, venv / "bin", venv, False, variables)
+    return BuiltEnv(python, venv / "bin", venv, False, variables, torch)
 
 
-def lock_command(env: EnvDefinition, output: Path) -> tuple[list[str], list[Path]]:
-    """`uv pip compile` of the definition into `output` (the caller renames it into place)."""
+def lock_command(
+    env: EnvDefinition, output: Path, scratch: Path, torch: TorchSource | None = None
+) -> list[str]:
+    """`uv pip compile` of the definition into `output` (the caller renames it into place); the
+    files it reads are written to `scratch`."""
     requirements = [*env.requirements, *([env.vllm] if env.vllm else [])]
-    inputs = _write_lines(requirements, suffix=".in")
     command = [
         uv_executable(),
         "pip",
@@ -294,58 +339,64 @@ def lock_command(env: EnvDefinition, output: Path) -> tuple[list[str], list[Path
         "--python-platform",
         "x86_64-manylinux_2_28",
         "--python-version",
-        env.python or "3.11",
+        env.python or DEFAULT_PYTHON,
         "--output-file",
         str(output),
-        str(inputs),
+        str(_project(env, scratch, requirements, torch)),
     ]
-    sources, temporary = _resolution_options(env)
-    return command + sources, [inputs, *temporary]
+    return command + _resolution_options(env, scratch)
 
 
-def lock(env: EnvDefinition, run: Any = None) -> Path:
-    """Refresh constraints/NAME.txt; written next to the target and renamed into place."""
+def lock(env: EnvDefinition, run: Any = None, environ: dict[str, str] | None = None) -> Path:
+    """Refresh constraints/NAME.txt, written next to it and renamed into place. Pins that still
+    fit the definition are kept (uv prefers the versions of the file it writes); delete the file
+    to resolve afresh. The pins name no source: they are the same whichever folder or index
+    served torch."""
+    environ = dict(os.environ) if environ is None else environ
     run = run or _run
+    torch = torch_source_for(env, environ)
+    with tempfile.TemporaryDirectory(prefix="glm5-matrix-") as scratch:
+        output = Path(scratch) / "constraints.txt"
+        if env.constraints_path.is_file():  # uv keeps the pins of the file it writes where they fit
+            shutil.copyfile(env.constraints_path, output)
+        run(lock_command(env, output, Path(scratch), torch))
+        # uv names the generated project's path in its `# via` lines; name the definition.
+        pins = output.read_text().replace(str(Path(scratch) / "pyproject.toml"), _definition(env))
+    header = (
+        f"# Pins for {_definition(env)}, compiled by `nox -s lock` (uv pip compile).\n"
+        "# Do not edit by hand: change the definition and re-lock.\n"
+    )
     target = env.constraints_path
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    command, temporary = lock_command(env, tmp)
-    try:
-        run(command)
-        header = (
-            f"# Pins for envs/{env.name}.toml, compiled by `nox -s lock` (uv pip compile).\n"
-            "# Do not edit by hand: change the definition and re-lock.\n"
-        )
-        tmp.write_text(header + tmp.read_text())
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
-        for path in temporary:
-            path.unlink(missing_ok=True)
+    _write_atomic(target, header + pins)
     return target
 
 
-def _resolution_options(env: EnvDefinition) -> tuple[list[str], list[Path]]:
-    """What install and compile share: excluded packages and where packages come from; the
-    excludes go through a temporary file, returned for the caller to remove."""
+def _definition(env: EnvDefinition) -> str:
+    return f"{ENVS_DIR}/{env.name}.toml"
+
+
+def _project(
+    env: EnvDefinition, scratch: Path, requirements: list[str], torch: TorchSource | None
+) -> Path:
+    """The requirements as the pyproject.toml uv reads (its name shows in uv's `# via` lines)."""
+    return torch_source.write_project(scratch, f"glm5-matrix-{env.name}", requirements, torch)
+
+
+def _resolution_options(env: EnvDefinition, scratch: Path) -> list[str]:
+    """What install and compile share: excluded packages (through a file in `scratch`) and the
+    definition's extra sources; a local find-links folder that does not exist is left out."""
     options: list[str] = []
-    temporary: list[Path] = []
     if env.excludes:
-        temporary.append(_write_lines(env.excludes))
-        options += ["--excludes", str(temporary[-1])]
+        excludes = scratch / "excludes.txt"
+        excludes.write_text("\n".join(env.excludes) + "\n")
+        options += ["--excludes", str(excludes)]
     for link in env.find_links:
-        options += ["--find-links", link]
+        if "://" in link or Path(link).expanduser().is_dir():
+            options += ["--find-links", link]
     for url in env.index_urls:
         options += ["--extra-index-url", url]
-    return options, temporary
-
-
-def _write_lines(lines: tuple[str, ...] | list[str], suffix: str = ".txt") -> Path:
-    with tempfile.NamedTemporaryFile(
-        "w", suffix=suffix, prefix="glm5-matrix-", delete=False
-    ) as handle:
-        handle.write("\n".join(lines) + "\n")
-    return Path(handle.name)
+    return options
 
 
 def _write_atomic(path: Path, text: str) -> None:

