@@ -49,7 +49,9 @@ def time_build(env_name: str, venv: Path, cache: Path | None) -> float:
         subprocess.run(command, check=True, env=environ, stdout=subprocess.DEVNULL)
 
     start = time.perf_counter()
-    environments.build(env, venv, run=run, environ={})
+    # The user's environment (pip's sources for torch), less an interpreter that would skip the build.
+    mine = {k: v for k, v in environ.items() if k != environments.PYTHON_VARIABLE}
+    environments.build(env, venv, run=run, environ=mine)
     return time.perf_counter() - start
 
 
