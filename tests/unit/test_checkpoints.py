@@ -144,7 +144,7 @@ def test_prune_keeps_layers_and_mtp_byte_for_byte(
     full_checkpoint, tmp_path, monkeypatch, layers, buffer_bytes
 ):
     if buffer_bytes:
-        monkeypatch.setattr(checkpoints, "_COPY_BUFFER_BYTES", buffer_bytes)
+        monkeypatch.setattr(checkpoints.writer, "_COPY_BUFFER_BYTES", buffer_bytes)
     dst = tmp_path / "pruned"
     assert run_cli("prune", full_checkpoint, dst, "--layers", str(layers)) == (0, "")
 
@@ -271,7 +271,7 @@ def test_existing_dst_is_refused_without_force_and_replaced_with_it(full_checkpo
 def test_interrupted_prune_leaves_no_dst_and_no_temporary(
     full_checkpoint, tmp_path, monkeypatch, interruption
 ):
-    real_copy = checkpoints._HashedStream.copy_from
+    real_copy = checkpoints.writer._HashedStream.copy_from
     calls = []
 
     def failing_copy(*args, **kwargs):
@@ -280,7 +280,7 @@ def test_interrupted_prune_leaves_no_dst_and_no_temporary(
             raise interruption
         return real_copy(*args, **kwargs)
 
-    monkeypatch.setattr(checkpoints._HashedStream, "copy_from", failing_copy)
+    monkeypatch.setattr(checkpoints.writer._HashedStream, "copy_from", failing_copy)
     dst = tmp_path / "pruned"
     with pytest.raises(type(interruption)):
         run_cli("prune", full_checkpoint, dst)
@@ -297,7 +297,7 @@ def test_interrupted_force_keeps_the_old_dst(full_checkpoint, tmp_path, monkeypa
     def failing_copy(*args, **kwargs):
         raise OSError("interrupted")
 
-    monkeypatch.setattr(checkpoints._HashedStream, "copy_from", failing_copy)
+    monkeypatch.setattr(checkpoints.writer._HashedStream, "copy_from", failing_copy)
     with pytest.raises(OSError):
         run_cli("prune", full_checkpoint, dst, "--layers", "8", "--force")
     assert file_hashes(dst) == old
