@@ -9,9 +9,14 @@ dtypes, widths scaled so the checkpoint is about --size-gb) into a temporary dir
 - copies the same shards with shutil.copyfile (+ fsync, as prune fsyncs its shards).
 
 Source pages are evicted with posix_fadvise(DONTNEED) before each run, so every run reads the
-same way. Prints a table; deletes everything unless --keep.
+same way. With --repeat R the three runs are repeated R times, interleaved (the order of prune
+and copy alternates between rounds), so load from other processes falls on both alike; each
+prune row shows its wall time over the same round's copy, and the summary the median of those
+ratios. GB/CPU-s is bytes written per CPU-second of the process (all its threads), which
+depends less on other load than the wall time does; the load column is the 1-minute load
+average when the run started. Prints a table; deletes everything unless --keep.
 
-    PYTHONPATH=src python benchmarks/prune_throughput.py [--size-gb 3] [--dir /tmp]
+    PYTHONPATH=src python benchmarks/prune_throughput.py [--size-gb 3] [--repeat 3] [--dir /tmp]
 """
 
 from __future__ import annotations
@@ -20,10 +25,12 @@ import argparse
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -80,6 +87,16 @@ peak_kb = re.search(r"VmHWM:\\s+(\\d+) kB", Path("/proc/self/status").read_text(
 Path(sys.argv[1]).write_text(f"{peak_kb} {usage.ru_utime + usage.ru_stime}")
 sys.exit(code)
 """
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    nbytes: int
+    wall: float
+    cpu: float
+    rss: int | None
+    load: float  # 1-minute load average when the run started
 
 
 def bench_config(size_bytes: int) -> dict:
@@ -157,6 +174,7 @@ def main() -> int:
     parser.add_argument("--size-gb", type=float, default=3.0, help="source size (default 3)")
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--repeat", type=int, default=1, help="interleaved rounds (default 1)")
     parser.add_argument("--keep", action="store_true", help="keep the files")
     args = parser.parse_args()
 
@@ -176,31 +194,59 @@ def main() -> int:
             f"{len(ckpt.shard_files)} shards, {experts} experts/layer (written in {written:.1f} s)"
         )
         _, _, import_rss = run_child(work, "noop")
-        rows = []
-        for layers in (args.layers, 45):
+
+        def prune(layers: int) -> Row:
             dst = work / f"pruned-{layers}"
             evict(work / "full")
+            load = os.getloadavg()[0]
             wall, cpu, rss = run_child(
                 work, "prune", str(work / "full"), str(dst), "--layers", str(layers)
             )
-            rows.append((f"prune --layers {layers}", shard_bytes(dst), wall, cpu, rss))
+            row = Row(f"prune --layers {layers}", shard_bytes(dst), wall, cpu, rss, load)
             shutil.rmtree(dst)
-        evict(work / "full")
-        wall, cpu = plain_copy(work / "full", work / "copy")
-        rows.append(("shutil.copyfile all shards", shard_bytes(work / "copy"), wall, cpu, None))
+            return row
+
+        def copy() -> Row:
+            evict(work / "full")
+            load = os.getloadavg()[0]
+            wall, cpu = plain_copy(work / "full", work / "copy")
+            row = Row(
+                "shutil.copyfile all shards", shard_bytes(work / "copy"), wall, cpu, None, load
+            )
+            shutil.rmtree(work / "copy")
+            return row
+
+        rounds: list[tuple[list[Row], Row, Row]] = []  # (rows in run order, copy, prune 45)
+        for number in range(args.repeat):
+            if number % 2 == 0:
+                rows = [prune(args.layers), prune(45), copy()]
+            else:
+                rows = [copy(), prune(args.layers), prune(45)]
+            copied = next(r for r in rows if r.rss is None)
+            rounds.append((rows, copied, next(r for r in rows if r.name == "prune --layers 45")))
 
         # CPU seconds next to wall seconds: on a shared machine the wall figure depends on load.
         print(
-            f"\n{'run':<28} {'GB written':>10} {'wall s':>7} {'GB/s':>6} "
-            f"{'CPU s':>6} {'GB/CPU-s':>8} {'peak RSS':>9}"
+            f"\n{'round':>5} {'run':<28} {'GB written':>10} {'wall s':>7} {'GB/s':>6} "
+            f"{'CPU s':>6} {'GB/CPU-s':>8} {'peak RSS':>9} {'/copy':>6} {'load':>5}"
         )
-        for name, nbytes, wall, cpu, rss in rows:
-            gb = nbytes / 1e9
-            rss_text = f"{rss / 2**20:.0f} MiB" if rss else "-"
-            print(
-                f"{name:<28} {gb:>10.3f} {wall:>7.2f} {gb / wall:>6.2f} "
-                f"{cpu:>6.2f} {gb / cpu:>8.2f} {rss_text:>9}"
-            )
+        for number, (rows, copied, _) in enumerate(rounds, start=1):
+            for row in rows:
+                gb = row.nbytes / 1e9
+                rss_text = f"{row.rss / 2**20:.0f} MiB" if row.rss else "-"
+                ratio = "" if row is copied else f"{row.wall / copied.wall:.2f}"
+                print(
+                    f"{number:>5} {row.name:<28} {gb:>10.3f} {row.wall:>7.2f} {gb / row.wall:>6.2f} "
+                    f"{row.cpu:>6.2f} {gb / row.cpu:>8.2f} {rss_text:>9} {ratio:>6} {row.load:>5.1f}"
+                )
+        ratios = [p.wall / c.wall for _, c, p in rounds]
+        per_cpu = [(p.nbytes / p.cpu / 1e9, c.nbytes / c.cpu / 1e9) for _, c, p in rounds]
+        print(
+            f"\nprune --layers 45 / copy, wall time: median {statistics.median(ratios):.2f} over "
+            f"{len(ratios)} round(s) ({', '.join(f'{r:.2f}' for r in ratios)})\n"
+            "GB per CPU-second, prune --layers 45 / copy: "
+            + ", ".join(f"{a:.2f} / {b:.2f}" for a, b in per_cpu)
+        )
         print(f"(a child that only imports the tool peaks at {import_rss / 2**20:.0f} MiB RSS)")
         print(f"load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     finally:
