@@ -8,18 +8,23 @@ the `safetensors` library, never from the pruner's own plan.
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
+import itertools
 import json
 import os
 import re
+import struct
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 from safetensors import deserialize, safe_open
 
 from glm5_matrix import checkpoints, synthetic
+from glm5_matrix.checkpoints import copying
 from glm5_matrix.errors import UserError
 
 SRC_DIR = Path(__file__).resolve().parents[2] / "src"
@@ -136,15 +141,35 @@ def test_synthetic_shards_are_valid_safetensors(full_checkpoint):
 # --- prune -----------------------------------------------------------------------------------
 
 
+def refuse_kernel_copy(monkeypatch) -> None:
+    """copy_file_range failing as between two filesystems: the copier must fall back."""
+
+    def cross_device(*args, **kwargs):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "copy_file_range", cross_device)
+
+
 @pytest.mark.parametrize(
-    ("layers", "buffer_bytes"),
-    [(4, None), (8, None), (4, 4099)],  # 4099: many tensors straddle buffer refills
+    ("layers", "piece_bytes", "kernel_copy"),
+    [
+        (4, None, True),
+        (8, None, True),
+        (45, None, True),
+        # 4099-byte pieces and a 1021-byte buffer: tensors straddle pieces and buffer refills,
+        # and the hasher is handed hundreds of pieces per shard while the copy goes on.
+        (4, 4099, True),
+        (4, 4099, False),  # pread/pwrite instead of copy_file_range
+    ],
 )
 def test_prune_keeps_layers_and_mtp_byte_for_byte(
-    full_checkpoint, tmp_path, monkeypatch, layers, buffer_bytes
+    full_checkpoint, tmp_path, monkeypatch, layers, piece_bytes, kernel_copy
 ):
-    if buffer_bytes:
-        monkeypatch.setattr(checkpoints.writer, "_COPY_BUFFER_BYTES", buffer_bytes)
+    if piece_bytes:
+        monkeypatch.setattr(copying, "_PIECE_BYTES", piece_bytes)
+        monkeypatch.setattr(copying, "_BUFFER_BYTES", 1021)
+    if not kernel_copy:
+        refuse_kernel_copy(monkeypatch)
     dst = tmp_path / "pruned"
     assert run_cli("prune", full_checkpoint, dst, "--layers", str(layers)) == (0, "")
 
@@ -153,8 +178,11 @@ def test_prune_keeps_layers_and_mtp_byte_for_byte(
     expected = {expected_name(n, layers): n for n in source if expected_name(n, layers)}
     assert set(pruned) == set(expected)
     renamed = [n for n in expected if expected[n] != n]
-    assert renamed and all(f".layers.{layers}." in n for n in renamed)
-    assert any(n.endswith(f".layers.{layers}.eh_proj.weight") for n in renamed)
+    if layers < FULL_LAYERS:
+        assert renamed and all(f".layers.{layers}." in n for n in renamed)
+        assert any(n.endswith(f".layers.{layers}.eh_proj.weight") for n in renamed)
+    else:  # every layer kept: the MTP layer keeps its number
+        assert renamed == [] and len(pruned) == len(source)
     # The data varies, so byte equality below cannot pass by accident.
     assert len({t["data"] for t in pruned.values()}) > 0.9 * len(pruned)
     for name, tensor in pruned.items():
@@ -174,6 +202,10 @@ def test_prune_keeps_layers_and_mtp_byte_for_byte(
         with safe_open(dst / file, "numpy") as shard:
             assert name in set(shard.keys())  # safe_open validates the shard's header
     assert index["metadata"]["total_size"] == sum(len(t["data"]) for t in pruned.values())
+    # The manifest is the hash of each file as it lies on disk.
+    for line in (dst / "SHA256SUMS").read_text().splitlines():
+        digest, name = line.split("  ", 1)
+        assert hashlib.sha256((dst / name).read_bytes()).hexdigest() == digest, name
 
 
 @pytest.mark.parametrize("layers", [4, 8])
@@ -267,11 +299,15 @@ def test_existing_dst_is_refused_without_force_and_replaced_with_it(full_checkpo
     assert leftovers(tmp_path, "pruned") == []
 
 
+def hasher_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("glm5-sha256")]
+
+
 @pytest.mark.parametrize("interruption", [OSError("disk gone"), KeyboardInterrupt()])
 def test_interrupted_prune_leaves_no_dst_and_no_temporary(
     full_checkpoint, tmp_path, monkeypatch, interruption
 ):
-    real_copy = checkpoints.writer._HashedStream.copy_from
+    real_copy = copying.HashingCopier._copy
     calls = []
 
     def failing_copy(*args, **kwargs):
@@ -280,13 +316,14 @@ def test_interrupted_prune_leaves_no_dst_and_no_temporary(
             raise interruption
         return real_copy(*args, **kwargs)
 
-    monkeypatch.setattr(checkpoints.writer._HashedStream, "copy_from", failing_copy)
+    monkeypatch.setattr(copying.HashingCopier, "_copy", failing_copy)
     dst = tmp_path / "pruned"
     with pytest.raises(type(interruption)):
         run_cli("prune", full_checkpoint, dst)
     assert len(calls) == 12
     assert not dst.exists()
     assert list(tmp_path.iterdir()) == []
+    assert hasher_threads() == []
 
 
 def test_interrupted_force_keeps_the_old_dst(full_checkpoint, tmp_path, monkeypatch):
@@ -297,11 +334,148 @@ def test_interrupted_force_keeps_the_old_dst(full_checkpoint, tmp_path, monkeypa
     def failing_copy(*args, **kwargs):
         raise OSError("interrupted")
 
-    monkeypatch.setattr(checkpoints.writer._HashedStream, "copy_from", failing_copy)
+    monkeypatch.setattr(copying.HashingCopier, "_copy", failing_copy)
     with pytest.raises(OSError):
         run_cli("prune", full_checkpoint, dst, "--layers", "8", "--force")
     assert file_hashes(dst) == old
     assert leftovers(tmp_path, "pruned") == []
+    assert hasher_threads() == []
+
+
+# --- copy runs --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layers", [4, 45])
+def test_plan_copies_each_shard_in_maximal_runs(full_checkpoint, layers):
+    plan = checkpoints.plan_prune(checkpoints.open_checkpoint(full_checkpoint), layers)
+    for shard in plan.shards:
+        header = json.loads(shard.header[8:])
+        header.pop("__metadata__", None)
+        runs = shard.runs
+        # Back to back in the output, in source order, and never two that could be one.
+        assert [r.offset for r in runs] == [
+            sum(r.length for r in runs[:i]) for i in range(len(runs))
+        ]
+        assert all(
+            a.source_offset + a.length < b.source_offset for a, b in itertools.pairwise(runs)
+        )
+        assert sum(r.length for r in runs) == shard.data_bytes
+        # Every kept tensor lies inside one run, at the same place in source and output.
+        for tensor in shard.tensors:
+            start, end = header[tensor.name]["data_offsets"]
+            (run,) = [
+                r
+                for r in runs
+                if r.offset <= start < r.offset + r.length or start == end == r.offset
+            ]
+            assert tensor.entry.start - run.source_offset == start - run.offset, tensor.name
+            assert end - start == tensor.entry.nbytes
+        # The gaps between runs are exactly the dropped tensors of that source shard.
+        source = plan.source.shards[shard.source_file]
+        kept = {t.source_name for t in shard.tensors}
+        gaps = sum(e.nbytes for n, e in source.tensors.items() if n not in kept)
+        covered = runs[-1].source_offset + runs[-1].length - runs[0].source_offset if runs else 0
+        assert covered - shard.data_bytes <= gaps
+    if layers == 45:  # everything kept, each source shard is one byte range
+        assert all(len(s.runs) == 1 for s in plan.shards)
+        assert plan.data_bytes == sum(
+            s.file_size - s.data_start for s in plan.source.shards.values()
+        )
+    else:
+        mtp = next(s for s in plan.shards if any(t.name != t.source_name for t in s.tensors))
+        assert len(mtp.runs) < len([t for t in mtp.tensors if t.name != t.source_name])
+
+
+def kept(name: str, start: int, end: int, new_name: str | None = None) -> checkpoints.KeptTensor:
+    entry = checkpoints.TensorEntry("U8", (end - start,), start, end)
+    return checkpoints.KeptTensor(name, new_name or name, "model-00001.safetensors", entry)
+
+
+def test_copy_runs_merge_neighbours_split_at_gaps_and_ignore_renames():
+    run = checkpoints.CopyRun
+    # Consecutive tensors are one run.
+    assert checkpoints.copy_runs([kept("a", 0, 10), kept("b", 10, 30)]) == [run(0, 0, 30)]
+    # A dropped tensor between them (bytes 30-40) splits the run; the output stays contiguous.
+    tensors = [kept("a", 0, 10), kept("b", 10, 30), kept("d", 40, 48), kept("e", 48, 50)]
+    assert checkpoints.copy_runs(tensors) == [run(0, 0, 30), run(40, 30, 10)]
+    # A renamed tensor (layer 45 -> 4) changes its header entry, not its bytes: no new run.
+    renamed = [
+        kept("model.layers.44.x", 0, 8),
+        kept("model.layers.45.eh_proj.weight", 8, 24, "model.layers.4.eh_proj.weight"),
+        kept("model.layers.45.enorm.weight", 24, 28, "model.layers.4.enorm.weight"),
+    ]
+    assert checkpoints.copy_runs(renamed) == [run(0, 0, 28)]
+    # A first tensor that does not start the data section; empty tensors add no run.
+    tensors = [kept("a", 16, 20), kept("z", 20, 20), kept("e", 30, 30), kept("f", 40, 41)]
+    assert checkpoints.copy_runs(tensors) == [run(16, 0, 4), run(40, 4, 1)]
+    assert checkpoints.copy_runs([]) == []
+
+
+def test_renamed_tensors_get_new_header_entries_over_the_same_bytes(full_checkpoint, tmp_path):
+    # The MTP layer's names shrink (45 -> 4), so the header shrinks and every data offset of
+    # the file moves; the run copies the bytes unchanged behind the new header.
+    dst = tmp_path / "pruned"
+    assert run_cli("prune", full_checkpoint, dst)[0] == 0
+    plan = checkpoints.plan_prune(checkpoints.open_checkpoint(full_checkpoint), 4)
+    shard = next(s for s in plan.shards if any(t.name != t.source_name for t in s.tensors))
+    source = plan.source.shards[shard.source_file]
+    written = (dst / shard.file).read_bytes()
+    original = source.path.read_bytes()
+    assert written[: len(shard.header)] == shard.header
+    assert len(shard.header) != source.data_start
+    for r in shard.runs:
+        out = len(shard.header) + r.offset
+        src = source.data_start + r.source_offset
+        assert written[out : out + r.length] == original[src : src + r.length]
+    assert len(written) == len(shard.header) + shard.data_bytes
+
+
+# --- planted defects: the checks above fail on a broken copy or hash ---------------------------
+
+
+def test_byte_for_byte_comparison_catches_a_copy_that_corrupts_one_byte(
+    full_checkpoint, tmp_path, monkeypatch
+):
+    real_copy = copying.HashingCopier._copy
+    corrupted = []
+
+    def corrupting_copy(self, src, out, offset, position, length):
+        copied = real_copy(self, src, out, offset, position, length)
+        if not corrupted and copied > 100:
+            byte = os.pread(src, 1, offset + 50)
+            os.pwrite(out, bytes([byte[0] ^ 0x01]), position + 50)
+            corrupted.append(position + 50)
+        return copied
+
+    monkeypatch.setattr(copying.HashingCopier, "_copy", corrupting_copy)
+    dst = tmp_path / "pruned"
+    assert run_cli("prune", full_checkpoint, dst)[0] == 0
+    assert corrupted
+    source, pruned = read_tensors(full_checkpoint), read_tensors(dst)
+    origin = {expected_name(n, 4): n for n in source if expected_name(n, 4)}
+    differing = [n for n in pruned if pruned[n]["data"] != source[origin[n]]["data"]]
+    assert len(differing) == 1
+    # The manifest records the file as written; it guards the copy from here on, not the copy.
+    assert run_cli("verify", dst) == (0, "")
+
+
+def test_verify_catches_a_hasher_that_skips_a_piece(full_checkpoint, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(copying, "_PIECE_BYTES", 4099)
+    real_hash = copying.HashingCopier._hash
+    skipped = []
+
+    def skipping_hash(self, file, offset, length):
+        if not skipped and offset > 0 and file.path.suffix == ".safetensors":
+            skipped.append(file.path.name)
+            return None
+        return real_hash(self, file, offset, length)
+
+    monkeypatch.setattr(copying.HashingCopier, "_hash", skipping_hash)
+    dst = tmp_path / "pruned"
+    assert run_cli("prune", full_checkpoint, dst)[0] == 0
+    capsys.readouterr()
+    assert run_cli("verify", dst)[0] == 1
+    assert f"{skipped[0]}: sha256 differs from the manifest" in capsys.readouterr().err
 
 
 # --- refusals --------------------------------------------------------------------------------
@@ -476,6 +650,22 @@ def _flip_last_byte(directory: Path) -> str:
     return f"{shard.name}: sha256 differs"
 
 
+def _flip_a_renamed_tensor_byte(directory: Path) -> str:
+    # One byte in the middle of the MTP layer's eh_proj (renamed 45 -> 4), found by the
+    # safetensors library, not by the pruner's plan.
+    for shard in sorted(directory.glob("model-*.safetensors")):
+        with safe_open(shard, "numpy") as f:
+            names = [n for n in f.keys() if n.endswith(".layers.4.eh_proj.weight")]  # noqa: SIM118
+        if names:
+            break
+    data = bytearray(shard.read_bytes())
+    (length,) = struct.unpack("<Q", data[:8])
+    start, end = json.loads(data[8 : 8 + length])[names[0]]["data_offsets"]
+    data[8 + length + (start + end) // 2] ^= 0x10
+    shard.write_bytes(data)
+    return f"{shard.name}: sha256 differs"
+
+
 def _zero_config_hash(directory: Path) -> str:
     manifest = directory / "SHA256SUMS"
     text = re.sub(r"^[0-9a-f]{64}(?=  config\.json$)", "0" * 64, manifest.read_text(), flags=re.M)
@@ -513,6 +703,7 @@ def _list_absent_tensor(directory: Path) -> str:
     "tamper",
     [
         _flip_last_byte,
+        _flip_a_renamed_tensor_byte,
         _zero_config_hash,
         _add_stray_file,
         _remove_tokenizer,

@@ -10,7 +10,9 @@ One module per concern, each readable alone:
 - config: read and check a GLM-5.3-Flash config; cut it to N layers (pruned_config)
 - safetensors_header: read and write safetensors headers
 - reading: a checkpoint directory, its index and shard headers checked against each other
-- plan: what a prune keeps, renames, drops and writes (plan_prune, describe_plan)
+- plan: what a prune keeps, renames, drops and writes, and the byte runs that copy it
+  (plan_prune, describe_plan, copy_runs)
+- copying: files from byte ranges, copied by the kernel and hashed behind the copy
 - writer: carry a plan out, atomically (execute_prune)
 - card: the model card and the provenance file
 - manifest: SHA256SUMS
@@ -32,9 +34,11 @@ from glm5_matrix.checkpoints.manifest import MANIFEST_NAME, format_manifest, rea
 from glm5_matrix.checkpoints.plan import (
     MODEL_CARD_NAME,
     PROVENANCE_NAME,
+    CopyRun,
     KeptTensor,
     OutputShard,
     PrunePlan,
+    copy_runs,
     describe_plan,
     plan_prune,
 )
@@ -65,12 +69,14 @@ __all__ = [
     "SINGLE_SHARD_NAME",
     "Checkpoint",
     "ConfigEdit",
+    "CopyRun",
     "KeptTensor",
     "OutputShard",
     "PrunePlan",
     "ShardHeader",
     "TensorEntry",
     "VerifyReport",
+    "copy_runs",
     "describe_plan",
     "encode_header",
     "execute_prune",

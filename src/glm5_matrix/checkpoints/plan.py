@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -39,16 +40,50 @@ class KeptTensor:
     entry: TensorEntry
 
 
+@dataclass(frozen=True)
+class CopyRun:
+    """Consecutive kept tensors of one source shard: one byte range there, one in the output.
+
+    Offsets are relative to the data sections, which is why a renamed tensor (layer 45 -> 4)
+    does not end a run: its header entry changes, its bytes and their order do not.
+    """
+
+    source_offset: int
+    offset: int
+    length: int
+
+
+def copy_runs(tensors: list[KeptTensor]) -> list[CopyRun]:
+    """The runs that copy `tensors` (in output order) back to back into a data section: a
+    tensor that starts where the previous one ends in the source extends the run."""
+    runs: list[CopyRun] = []
+    start = end = offset = 0  # the open run: source bytes [start, end), written at offset
+    for t in tensors:
+        if t.entry.start != end:
+            if end > start:
+                runs.append(CopyRun(start, offset, end - start))
+            offset += end - start
+            start = t.entry.start
+        end = t.entry.end
+    if end > start:
+        runs.append(CopyRun(start, offset, end - start))
+    return runs
+
+
 @dataclass
 class OutputShard:
     file: str
     source_file: str
     tensors: list[KeptTensor]
     header: bytes = b""
+    runs: list[CopyRun] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.runs = copy_runs(self.tensors)
 
     @property
     def data_bytes(self) -> int:
-        return sum(t.entry.nbytes for t in self.tensors)
+        return sum(run.length for run in self.runs)
 
     @property
     def size(self) -> int:
@@ -84,9 +119,18 @@ class PrunePlan:
     def side_bytes(self) -> int:
         return sum((self.source.directory / p).stat().st_size for p in self.side_files)
 
+    @cached_property
+    def index_json(self) -> str:
+        """The safetensors index of the output (built once: it lists every kept tensor)."""
+        metadata = dict(self.source.index_metadata)
+        metadata["total_size"] = self.data_bytes
+        weight_map = {t.name: s.file for s in self.shards for t in s.tensors}
+        index = {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))}
+        return json.dumps(index, indent=2) + "\n"
+
     def output_bytes(self) -> int:
         """Shards, copied files, config and index (the card and manifest add a few KB)."""
-        regenerated = len(config_json(self.config)) + len(index_json(self).encode())
+        regenerated = len(config_json(self.config)) + len(self.index_json.encode())
         return sum(s.size for s in self.shards) + self.side_bytes() + regenerated
 
 
@@ -249,11 +293,3 @@ def format_size(n: int) -> str:
 
 def config_json(config: dict[str, Any]) -> str:
     return json.dumps(config, indent=2) + "\n"
-
-
-def index_json(plan: PrunePlan) -> str:
-    metadata = dict(plan.source.index_metadata)
-    metadata["total_size"] = plan.data_bytes
-    weight_map = {t.name: s.file for s in plan.shards for t in s.tensors}
-    index = {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))}
-    return json.dumps(index, indent=2) + "\n"
