@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from glm5_matrix.checkpoints.config import (
     LINEAR_ATTENTION,
@@ -32,8 +32,7 @@ MODEL_CARD_NAME = "README.md"
 _REGENERATED = {"config.json", INDEX_NAME, MANIFEST_NAME, PROVENANCE_NAME, MODEL_CARD_NAME}
 
 
-@dataclass(frozen=True)
-class KeptTensor:
+class KeptTensor(NamedTuple):
     source_name: str
     name: str
     source_file: str

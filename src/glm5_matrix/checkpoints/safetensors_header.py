@@ -12,7 +12,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from glm5_matrix.errors import UserError
 
@@ -24,8 +24,10 @@ _DTYPE_BYTES = {
 }  # fmt: skip
 
 
-@dataclass(frozen=True)
-class TensorEntry:
+class TensorEntry(NamedTuple):
+    """One tensor of a shard's header. A NamedTuple: immutable and cheap to make, which counts
+    at 76,108 tensors per checkpoint."""
+
     dtype: str
     shape: tuple[int, ...]
     start: int  # relative to the data section
@@ -67,10 +69,8 @@ def read_shard_header(path: Path) -> ShardHeader:
     tensors: dict[str, TensorEntry] = {}
     for name, info in raw.items():
         try:
-            start, end = (int(x) for x in info["data_offsets"])
-            entry = TensorEntry(
-                str(info["dtype"]), tuple(int(x) for x in info["shape"]), start, end
-            )
+            start, end = map(int, info["data_offsets"])
+            entry = TensorEntry(str(info["dtype"]), tuple(map(int, info["shape"])), start, end)
         except (KeyError, TypeError, ValueError):
             raise UserError(f"{path}: malformed header entry for {name}") from None
         width = _DTYPE_BYTES.get(entry.dtype)
