@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 
@@ -249,14 +249,24 @@ class NoiseFloor:
     worst: float  # the largest difference of the two runs (candidates, and gaps at a parting)
     step: float  # one step of the logits (logit_step)
     agreement: Agreement  # how the two runs compared
+    # Steps a run computed along another path may differ by beyond the floor (a measured
+    # profile value: e.g. D recomputing a prompt's last token alone over KV it was sent).
+    path_steps: int = 0
 
     @property
     def tolerance(self) -> float:
-        return self.worst + self.step
+        return self.worst + (1 + self.path_steps) * self.step
+
+    def across_path(self, steps: int) -> NoiseFloor:
+        """The floor for a run computed along another path, allowed `steps` more logit steps."""
+        if steps < 0:
+            raise ValueError(f"path steps must be >= 0, not {steps}")
+        return replace(self, path_steps=steps)
 
     def describe(self) -> str:
+        path = f" + {self.path_steps} path step(s)" if self.path_steps else ""
         return (
-            f"noise floor {self.worst:.4f} + one logit step {self.step:.4f} = tolerance "
+            f"noise floor {self.worst:.4f} + one logit step {self.step:.4f}{path} = tolerance "
             f"{self.tolerance:.4f} ({self.agreement.matched} of {self.agreement.total} tokens "
             "equal between the two runs)"
         )

@@ -46,6 +46,15 @@ class Comparison:
             record_figure(f"{label}.parting_gaps", [round(g, 6) for g in agreement.parting_gaps])
         return agreement
 
+    def across_path(self, steps: int, why: str) -> Comparison:
+        """This comparison for a run computed along another path (`why`), allowed `steps` logit
+        steps beyond the floor's tolerance: a measured profile value, recorded."""
+        floor = self.floor.across_path(steps)
+        print(f"{self.name}: {steps} path step(s) allowed ({why}): {floor.describe()}")
+        record_figure(f"{self.name}.path_steps", steps, unit="logit steps")
+        record_figure(f"{self.name}.path_tolerance", round(floor.tolerance, 6), unit="nats")
+        return Comparison(self.name, floor)
+
     def rejects(self, reference: Scored, control: Scored, names: tuple[str, str]) -> str:
         """The negative control must fail the same rule; returns why it failed."""
         reason = compare.check_rejected(reference, control, self.floor, names)

@@ -167,6 +167,24 @@ def test_a_run_within_the_floor_plus_one_step_agrees() -> None:
         compare.check_agreement(reference, _greedy(_nudged(logits, 3)), floor, ("a", "b"))
 
 
+def test_a_run_along_another_path_gets_exactly_its_path_steps() -> None:
+    logits = _engine(1)
+    reference = _greedy(logits)
+    floor = compare.noise_floor(reference, _greedy(logits))
+    assert floor.worst == 0.0
+    # Two steps off (what D recomputing the last prompt token showed on the CPU build): rejected
+    # by the floor alone, accepted with path_steps = 2; three steps off is rejected even then.
+    with pytest.raises(AssertionError, match=r"> tolerance 0\.0312"):
+        compare.check_agreement(reference, _greedy(_nudged(logits, 2)), floor, ("P", "P->D"))
+    across = floor.across_path(2)
+    assert across.tolerance == pytest.approx(3 * STEP) and "2 path step(s)" in across.describe()
+    compare.check_agreement(reference, _greedy(_nudged(logits, 2)), across, ("P", "P->D"))
+    with pytest.raises(AssertionError, match=r"> tolerance 0\.0938"):
+        compare.check_agreement(reference, _greedy(_nudged(logits, 4)), across, ("P", "P->D"))
+    with pytest.raises(ValueError, match="path steps must be >= 0"):
+        floor.across_path(-1)
+
+
 def test_parting_at_a_near_tie_within_the_tolerance_is_accepted() -> None:
     tie = {5: -1.0, 6: -1.0, 7: -3.0}
     a = _run([1, 5, 9], [{1: -0.5, 2: -2.0}, tie, {9: -0.1}])
