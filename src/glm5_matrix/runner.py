@@ -1,8 +1,8 @@
 """Running one cell: preflight, environment, the cell's suites, results.
 
 The noxfile calls run_variant() from every cell session; this is the one helper behind them.
-Order matters for GPU minutes and for honest skips: the model source and the hardware are
-checked before any environment is built.
+Order matters for GPU minutes and for honest skips: the model source (and a named drafter) and
+the hardware are checked before any environment is built.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from glm5_matrix import context as cell_context
-from glm5_matrix import environments, hardware, results, weights
+from glm5_matrix import drafters, environments, hardware, results, weights
 from glm5_matrix.errors import UserError
 from glm5_matrix.matrix import MATRIX_FILE, Matrix, Variant, load_matrix
 from glm5_matrix.profiles import load_profile, repo_root
@@ -78,6 +78,13 @@ def resolve_weights(
     return cell_context.Weights(kind=default, source="profile")
 
 
+def check_drafter(variant: Variant, environ: dict[str, str]) -> None:
+    """A drafter named by GLM5_DFLASH2_DRAFT for a DFlash cell must be one (one line if not)."""
+    named = environ.get(drafters.DRAFT_VARIABLE)
+    if variant.cell.suite == "dflash" and named and variant.cell.profile is not None:
+        drafters.check_named_drafter(load_profile(variant.cell.profile), named)
+
+
 def results_dir(variant: Variant, environ: dict[str, str]) -> Path:
     base = Path(environ.get(RESULTS_VARIABLE) or repo_root() / "results")
     return base / variant.slug
@@ -94,6 +101,7 @@ def run_variant(session: Any, variant: Variant) -> None:
     try:
         options = parse_posargs(list(session.posargs), environ)
         model_source = resolve_weights(variant, options.model, environ)
+        check_drafter(variant, environ)
         found = hardware.detect(environ)
         verdict = hardware.check(variant.cell, found)
         if not verdict.runnable:
