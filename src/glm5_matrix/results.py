@@ -6,7 +6,7 @@ Engines and servers call record_engine_start() when one comes up; suites call re
 for each number they measure and judge (a block size against the planner's, a delta against
 its noise floor). The plugin files each under the test (or fixture setup) that was running.
 
-results.json is rewritten after every test report and engine start, marked `"complete": false`
+results.json is rewritten as each test starts and ends and at each engine start, marked `"complete": false`
 with `"ended": {"how": "unfinished", "test": ...}` until pytest ends its session: a run killed
 outright leaves the tests it made and the one it was in. The cell's supervisor
 (glm5_matrix.supervision) then calls record_ending() with what only it knows (the signal that
@@ -98,10 +98,11 @@ def figures() -> list[Figure]:
     return list(_STATE.figures)
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
+def write_json_atomic(path: Path, data: Any, compact: bool = False) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    text = json.dumps(data) if compact else json.dumps(data, indent=2, sort_keys=True)
+    tmp.write_text(text + "\n")
     os.replace(tmp, path)
 
 
@@ -148,7 +149,8 @@ class ResultsPlugin:
             entry["reason"] = str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else ""
         elif report.when == "call" and entry["outcome"] == "running":
             entry["outcome"] = "passed"
-        self.write_partial()
+        if report.when == "teardown":
+            self.write_partial()
 
     def pytest_keyboard_interrupt(self, excinfo: Any) -> None:
         """A KeyboardInterrupt (SIGINT) or pytest.exit(): the session ends without its tests."""
@@ -178,7 +180,8 @@ class ResultsPlugin:
 
     def write(self, exit_status: int | None, complete: bool, ended: dict[str, Any]) -> None:
         tests = {nodeid: dict(entry) for nodeid, entry in self.tests.items()}
-        if ended["how"] != "unfinished":
+        partial = ended["how"] == "unfinished"
+        if not partial:
             _mark_interrupted(tests)
         write_json_atomic(
             self.path,
@@ -194,6 +197,7 @@ class ResultsPlugin:
                 "engine_starts": [asdict(s) for s in _STATE.engine_starts],
                 "figures": [asdict(f) for f in _STATE.figures],
             },
+            compact=partial,  # rewritten for every test: kept cheap until the last write
         )
 
 
