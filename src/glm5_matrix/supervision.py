@@ -136,11 +136,7 @@ def stop_on_signals() -> Iterator[None]:
 
     def handler(signum: int, frame: FrameType | None) -> None:
         if received:
-            print(
-                f"glm5-matrix: {signal.Signals(signum).name} again: the cell is being stopped",
-                file=sys.stderr,
-                flush=True,
-            )
+            _say(f"{signal.Signals(signum).name} again: the cell is being stopped")
             return
         received.append(signum)
         for child in processes.live_children():
@@ -154,6 +150,12 @@ def stop_on_signals() -> Iterator[None]:
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+def _say(line: str) -> None:
+    """One line on stderr; a terminal that is gone (SIGHUP) must not stop the teardown."""
+    with contextlib.suppress(OSError):
+        print(f"glm5-matrix: {line}", file=sys.stderr, flush=True)
 
 
 class Supervisor:
@@ -205,7 +207,7 @@ class Supervisor:
             self.stop_signal, self.runner_died = signal.SIGTERM, True
         held = self._gpus_held_before()
         if held:
-            print(f"glm5-matrix: {held}", file=sys.stderr, flush=True)
+            _say(held)
             self._record(1, ending=("gpu-held", None, held))
             return 1
         if self.stop_signal is None:
@@ -219,14 +221,12 @@ class Supervisor:
         if (self.left_behind or still_held) and code == 0:
             code = 1
         if self.left_behind:
-            print(
-                f"glm5-matrix: stopped {len(self.left_behind)} process(es) the test command "
-                f"left behind: {'; '.join(self.left_behind)}",
-                file=sys.stderr,
-                flush=True,
+            _say(
+                f"stopped {len(self.left_behind)} process(es) the test command left behind: "
+                + "; ".join(self.left_behind)
             )
         if still_held:
-            print(f"glm5-matrix: {still_held}", file=sys.stderr, flush=True)
+            _say(still_held)
             self.left_behind.append(still_held)
         self._record(code)
         return code
