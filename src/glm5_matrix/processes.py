@@ -11,7 +11,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -127,26 +127,36 @@ def stop_process_group(
 
     `proc` must have been started with start_new_session=True (its pid is its group id).
     """
-    pgid = proc.pid
+    return stop_process_groups([proc], grace_seconds, kill_seconds)
+
+
+def stop_process_groups(
+    procs: Sequence[subprocess.Popen[Any]], grace_seconds: float = 20.0, kill_seconds: float = 10.0
+) -> bool:
+    """stop_process_group() for several groups at once: all get SIGTERM together, so stopping
+    N servers takes one grace period, not N. True when every group was empty in the end."""
 
     def wait_empty(seconds: float) -> bool:
         deadline = time.monotonic() + seconds
         while True:
-            proc.poll()  # reap the leader, or it stays a zombie member of the group
-            if not group_members(pgid):
+            for proc in procs:
+                proc.poll()  # reap the leader, or it stays a zombie member of the group
+            if not any(group_members(proc.pid) for proc in procs):
                 return True
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.1)
 
     for sig, seconds in ((signal.SIGTERM, grace_seconds), (signal.SIGKILL, kill_seconds)):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, sig)
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
         if wait_empty(seconds):
             break
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=1)
-    return not group_members(pgid)
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=1)
+    return not any(group_members(proc.pid) for proc in procs)
 
 
 def stdlib_helper_pids() -> set[int]:

@@ -266,7 +266,7 @@ def wait_healthy(
 @contextlib.contextmanager
 def running(servers: Sequence[VllmServer]) -> Iterator[Sequence[VllmServer]]:
     """Launch `servers` together (their start-ups overlap), wait for each, and stop all of
-    them on the way out, whatever happens."""
+    them on the way out, whatever happens: together too, so that the bound is one server's."""
     try:
         for server in servers:
             server.launch()
@@ -274,5 +274,8 @@ def running(servers: Sequence[VllmServer]) -> Iterator[Sequence[VllmServer]]:
             server.wait_until_healthy()
         yield servers
     finally:
+        launched = [server.proc for server in servers if server.proc is not None]
+        grace = max((server.stop_grace for server in servers), default=0.0)
+        processes.stop_process_groups(launched, grace_seconds=grace)
         for server in servers:
-            server.stop()
+            server.stop()  # its group is empty by now; this removes its socket folder
