@@ -40,7 +40,7 @@ def test_json_listing_has_every_cell_with_tags():
     for name in ("e2e-tp1(deep_gemm)", "e2e-tp4(flashinfer)", "offload-tp1(offloading)"):
         assert "gpu" in listing[name]["tags"]
     assert "gpus-2" in listing["pd-nixl"]["tags"]
-    for name in ("e2e-cpu", "pd-nixl-cpu", "layout", "metadata", "unit", "lint"):
+    for name in ("e2e-cpu", "pd-nixl-cpu", "layout", "metadata", "unit", "lint", "faults"):
         assert "cpu" in listing[name]["tags"], name
     assert all(entry["description"] for entry in listing.values())
 
