@@ -11,7 +11,8 @@ interpreter (nothing but the standard library, and NVML where the cell has it). 
   only through the supervisor, and with PR_SET_PDEATHSIG=SIGINT, so that pytest still runs the
   suites' teardown if the supervisor itself is killed outright;
 - takes SIGINT, SIGTERM and SIGHUP as "stop the cell", and gets SIGTERM from the kernel when the
-  runner's process dies, even by SIGKILL (PR_SET_PDEATHSIG);
+  runner's process dies, even by SIGKILL (PR_SET_PDEATHSIG); it leads a session of its own, so
+  that a SIGKILL to the runner's process group does not take it along;
 - stops the cell in two steps. First SIGINT to COMMAND's process group, as a Ctrl-C would: pytest
   runs the suites' own teardown (engines shut down through vLLM, servers by process group) for up
   to `grace` seconds. Then every descendant left gets SIGTERM, and `kill_after` seconds later
@@ -203,6 +204,12 @@ class Supervisor:
             signal.signal(sig, self._on_signal)
         become_subreaper()
         die_with_parent_self(signal.SIGTERM)
+        if os.getsid(0) != os.getpid():
+            # A session of its own: a SIGKILL to the runner's process group (`kill -9 -PGID`,
+            # nox -j's escalation 2 s after its SIGTERM) ends the runner, not the teardown; the
+            # runner's death then stops the cell (PR_SET_PDEATHSIG).
+            with contextlib.suppress(OSError):
+                os.setsid()
         if self.parent is not None and os.getppid() != self.parent:
             self.stop_signal, self.runner_died = signal.SIGTERM, True
         held = self._gpus_held_before()

@@ -216,7 +216,10 @@ _MIDDLE = textwrap.dedent(
 )
 
 
-def test_the_supervisor_stops_the_cell_when_the_runner_is_killed_outright(tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["runner", "runner's process group"])
+def test_the_supervisor_stops_the_cell_when_the_runner_is_killed_outright(
+    tmp_path: Path, how: str
+) -> None:
     pid_file, marker = tmp_path / "grandchild.pid", tmp_path / "int"
     middle = subprocess.Popen(
         [
@@ -230,12 +233,16 @@ def test_the_supervisor_stops_the_cell_when_the_runner_is_killed_outright(tmp_pa
             str(marker),
         ],
         env=_env(),
+        start_new_session=True,  # the runner leads a process group, as nox -j's sessions do
     )
     grandchild = int(_wait_for(lambda: pid_file.is_file() and pid_file.read_text()))
     grandchild_started = processes.start_time(grandchild)
     supervisor = processes.live_children(middle.pid)[0]
     started = processes.start_time(supervisor)
-    middle.kill()  # SIGKILL: nothing of the runner runs any more
+    if how == "runner":
+        middle.kill()  # SIGKILL: nothing of the runner runs any more
+    else:
+        os.killpg(middle.pid, signal.SIGKILL)  # and everything still in its group
     middle.wait()
     _wait_for(lambda: not _alive(supervisor, started), 60)
     assert not _alive(grandchild, grandchild_started)
