@@ -35,6 +35,8 @@ from glm5_matrix import processes, results, supervision
 HOST = "127.0.0.1"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 LOG_TAIL_LINES = 40
+# A server that never became healthy holds no state worth a clean shutdown: SIGKILL comes sooner.
+STARTING_STOP_GRACE = 5.0
 
 
 class ServerError(RuntimeError):
@@ -216,10 +218,14 @@ class VllmServer:
 
     def stop(self) -> None:
         if self.proc is not None:
-            processes.stop_process_group(self.proc, grace_seconds=self.stop_grace)
+            processes.stop_process_group(self.proc, grace_seconds=self.grace())
         if self._rpc_dir is not None:
             shutil.rmtree(self._rpc_dir, ignore_errors=True)
             self._rpc_dir = None
+
+    def grace(self) -> float:
+        """How long a stop waits after SIGTERM: `stop_grace`, or less for a server still starting."""
+        return self.stop_grace if self.startup_seconds is not None else STARTING_STOP_GRACE
 
     def group_members_left(self) -> list[int]:
         """Live processes of this server's process group (empty once it is stopped)."""
@@ -275,7 +281,7 @@ def running(servers: Sequence[VllmServer]) -> Iterator[Sequence[VllmServer]]:
         yield servers
     finally:
         launched = [server.proc for server in servers if server.proc is not None]
-        grace = max((server.stop_grace for server in servers), default=0.0)
+        grace = max((server.grace() for server in servers), default=0.0)
         processes.stop_process_groups(launched, grace_seconds=grace)
         for server in servers:
             server.stop()  # its group is empty by now; this removes its socket folder
