@@ -7,7 +7,7 @@ test the run did not make.
 | fault | e2e-cpu | pd-nixl-cpu |
 |---|---|---|
 | Ctrl-C: SIGINT to nox's process group | engine starting | engine cores starting |
-| SIGTERM to nox (`timeout`, CI agents) | engine up | servers healthy |
+| SIGTERM to nox (`timeout`, CI agents) | engine up | engine cores starting |
 | SIGHUP to nox (a closed terminal) | engine starting | - (SIGTERM's path) |
 | SIGKILL of the test process (OOM killer) | engine starting | engine cores starting |
 | a server killed (SIGKILL) while it starts | - (no server) | its engine core started |
@@ -361,42 +361,23 @@ class Fault:
 
 
 # Which faults against which cell, and when. SIGHUP takes the path SIGTERM takes (in nox's
-# process and in the supervisor), so it runs against one cell; a fault at engine start costs
-# less than one at "engine up" and leaves the same processes to stop, so only SIGTERM (what CI
-# sends) waits for the engine or the servers to be ready.
+# process and in the supervisor), so it runs against one cell. A fault while the engines start
+# leaves the same processes to stop as one once they are ready and costs far less (three servers
+# take minutes to be healthy on two cores), so only e2e's SIGTERM and the engine-core kills, which
+# need a generate, wait for ready engines; the pd one also shows the servers' ports freed.
+E2E, PD = "e2e-cpu", "pd-nixl-cpu"
+SIGINT, SIGTERM, SIGHUP = signal.SIGINT, signal.SIGTERM, signal.SIGHUP
 FAULTS = [
-    Fault("e2e-cpu", "ctrl-c", engine_starting, _signal_group(signal.SIGINT), ("signal", "SIGINT")),
-    Fault("e2e-cpu", "sigterm", engine_up, _signal_nox(signal.SIGTERM), ("signal", "SIGTERM")),
-    Fault("e2e-cpu", "sighup", engine_starting, _signal_nox(signal.SIGHUP), ("signal", "SIGHUP")),
-    Fault("e2e-cpu", "sigkill-pytest", engine_starting, _kill_test_process, ("killed", "SIGKILL")),
-    Fault("e2e-cpu", "kill-engine-core", generating, _kill_engine_core, ("finished", None)),
-    Fault(
-        "pd-nixl-cpu",
-        "ctrl-c",
-        engines_starting,
-        _signal_group(signal.SIGINT),
-        ("signal", "SIGINT"),
-    ),
-    Fault(
-        "pd-nixl-cpu",
-        "sigterm",
-        servers_healthy,
-        _signal_nox(signal.SIGTERM),
-        ("signal", "SIGTERM"),
-    ),
-    Fault(
-        "pd-nixl-cpu", "sigkill-pytest", engines_starting, _kill_test_process, ("killed", "SIGKILL")
-    ),
-    Fault(
-        "pd-nixl-cpu",
-        "kill-server",
-        prefill_engine_starting,
-        _kill_prefill_server,
-        ("finished", None),
-    ),
-    Fault(
-        "pd-nixl-cpu", "kill-engine-core", servers_healthy, _kill_engine_core, ("finished", None)
-    ),
+    Fault(E2E, "ctrl-c", engine_starting, _signal_group(SIGINT), ("signal", "SIGINT")),
+    Fault(E2E, "sigterm", engine_up, _signal_nox(SIGTERM), ("signal", "SIGTERM")),
+    Fault(E2E, "sighup", engine_starting, _signal_nox(SIGHUP), ("signal", "SIGHUP")),
+    Fault(E2E, "sigkill-pytest", engine_starting, _kill_test_process, ("killed", "SIGKILL")),
+    Fault(E2E, "kill-engine-core", generating, _kill_engine_core, ("finished", None)),
+    Fault(PD, "ctrl-c", engines_starting, _signal_group(SIGINT), ("signal", "SIGINT")),
+    Fault(PD, "sigterm", engines_starting, _signal_nox(SIGTERM), ("signal", "SIGTERM")),
+    Fault(PD, "sigkill-pytest", engines_starting, _kill_test_process, ("killed", "SIGKILL")),
+    Fault(PD, "kill-server", prefill_engine_starting, _kill_prefill_server, ("finished", None)),
+    Fault(PD, "kill-engine-core", servers_healthy, _kill_engine_core, ("finished", None)),
 ]
 
 
@@ -434,6 +415,7 @@ def test_fault_leaves_nothing_behind(fault: Fault, subreaper: None, runs_dir: Pa
         results.record_figure(
             f"faults.{fault.id}.survivors_after_10s", len(later), limit=0, relation="=="
         )
+        results.record_figure(f"faults.{fault.id}.ports_seen", sorted(run.ports))
         results.record_figure(f"faults.{fault.id}.ports_listening", ports, limit=[], relation="==")
         results.record_figure(f"faults.{fault.id}.nox_exit_status", code)
         results.record_figure(
@@ -449,6 +431,8 @@ def test_fault_leaves_nothing_behind(fault: Fault, subreaper: None, runs_dir: Pa
         assert code is not None, f"nox still running {EXIT_TIMEOUT_S:.0f} s after the fault"
         assert not survivors, f"processes of the run alive after nox exited: {survivors}"
         assert not ports, f"ports of the run still listening: {ports}"
+        if fault.when is servers_healthy:  # the port check saw the servers' ports
+            assert len(run.ports) >= 3, f"ports seen: {sorted(run.ports)}"
         assert code != 0, f"nox exited 0 after {fault.name}:\n{run.log_tail()}"
         # The test running when the fault hit: the last one started before it, or one started
         # while the fault took effect.
