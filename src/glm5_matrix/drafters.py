@@ -152,30 +152,44 @@ def resolve_drafter(
     """The cell's drafter: the one GLM5_DFLASH2_DRAFT names, else the synthesized one. A named
     drafter must exist and be a DFlash2 model reading as many taps as the profile retargets."""
     table = dflash_table(profile)
-    target_layers = int(text_config(profile.config())["num_hidden_layers"])
-    taps = check_taps(table.get("target_layer_ids"), target_layers, "[dflash]")
+    taps = profile_taps(profile)
     tokens = int(table["num_speculative_tokens"])
     environ = os.environ if environ is None else environ
-    named, source = environ.get(DRAFT_VARIABLE), DRAFT_VARIABLE
+    named = environ.get(DRAFT_VARIABLE)
     if not named:
         path = ensure_synthesized(profile, cache_dir)
         return Drafter(str(path), taps, tokens, "synthesized")
-    config_path = Path(named) / "config.json"
+    return Drafter(str(check_named_drafter(profile, named)), taps, tokens, DRAFT_VARIABLE)
+
+
+def profile_taps(profile: Profile) -> tuple[int, ...]:
+    """The taps the profile retargets a drafter to, checked against the target's layers."""
+    target_layers = int(text_config(profile.config())["num_hidden_layers"])
+    return check_taps(dflash_table(profile).get("target_layer_ids"), target_layers, "[dflash]")
+
+
+def check_named_drafter(profile: Profile, named: str) -> Path:
+    """The folder GLM5_DFLASH2_DRAFT names, resolved, or a UserError of one line: it must hold
+    a DFlash2 drafter's config.json reading as many taps as the profile retargets. The runner
+    calls this before any environment is built; it reads the config only."""
+    taps = profile_taps(profile)
+    source = DRAFT_VARIABLE
+    config_path = Path(named).expanduser() / "config.json"
     if not config_path.is_file():
         raise UserError(f"{source}={named}: no DFlash2 drafter there (no config.json)")
     try:
         config = json.loads(config_path.read_text())
     except json.JSONDecodeError as error:
         raise UserError(f"{config_path}: not valid JSON: {error}") from None
-    if DRAFT_ARCHITECTURE not in (config.get("architectures") or []):
-        raise UserError(
-            f"{source}={named}: architectures {config.get('architectures')} is not "
-            f"[{DRAFT_ARCHITECTURE!r}]"
-        )
+    if not isinstance(config, dict) or DRAFT_ARCHITECTURE not in (
+        config.get("architectures") or []
+    ):
+        found = config.get("architectures") if isinstance(config, dict) else config
+        raise UserError(f"{source}={named}: architectures {found} is not [{DRAFT_ARCHITECTURE!r}]")
     trained = (config.get("dflash_config") or {}).get("target_layer_ids")
     if isinstance(trained, list) and len(trained) != len(taps):
         raise UserError(
             f"{source}={named}: the drafter reads {len(trained)} taps {trained}, the profile "
             f"retargets {len(taps)} {list(taps)}"
         )
-    return Drafter(str(Path(named).resolve()), taps, tokens, source)
+    return config_path.parent.resolve()

@@ -21,6 +21,7 @@ import os
 import random
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -141,6 +142,7 @@ class Engine:
         self._children_before: set[int] = set()
         self.start_seconds: float | None = None
         self.leftover_processes: list[str] = []
+        self._watch: EngineCoreWatch | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -181,10 +183,18 @@ class Engine:
             raise
         self.start_seconds = time.monotonic() - started
         record_engine_start(self.spec.label, self.start_seconds)
+        # The engine core: the children this process gained (the workers are below it).
+        cores = (
+            set(processes.live_children()) - self._children_before - processes.stdlib_helper_pids()
+        )
+        self._watch = EngineCoreWatch(self._llm, cores)
 
     def shutdown(self) -> None:
         """Stop the engine (vLLM's API), wait for its processes, kill and report leftovers."""
         llm, self._llm = self._llm, None
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
         try:
             if llm is not None:
                 engine_core = getattr(llm.llm_engine, "engine_core", None)
@@ -312,6 +322,43 @@ class Engine:
         """For each (layer, block id): that block's page of each of the layer's state tensors,
         as float32 numpy arrays, from rank 0."""
         return self.rpc(worker_read_pages, list(layer_blocks))[0]
+
+
+class EngineCoreWatch:
+    """Fails the request in flight when a process of the engine dies.
+
+    vLLM's in-process client (SyncMPClient, v1/engine/core_client.py, 0.32 and 0.33) waits on
+    its output queue for ever when the engine core process dies mid-generate: its monitor marks
+    the engine dead and shuts the client down, but nothing reaches the queue, so the test (and
+    the cell) would hang until an outer timeout. This thread watches the engine core processes,
+    by pid; when one is gone it puts vLLM's EngineDeadError in that queue, so the generate raises
+    at once (later requests raise EngineDeadError from vLLM itself)."""
+
+    POLL_S = 0.5
+
+    def __init__(self, llm: Any, pids: set[int]) -> None:
+        self.queue = getattr(getattr(llm.llm_engine, "engine_core", None), "outputs_queue", None)
+        self.pids = {pid: processes.start_time(pid) for pid in pids}
+        self._stop = threading.Event()
+        self.dead: str | None = None
+        if self.queue is not None and self.pids:
+            threading.Thread(target=self._run, name="glm5-engine-core-watch", daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.POLL_S):
+            for pid, started in self.pids.items():
+                stat = processes.proc_stat(pid)
+                if stat is None or stat[0] == "Z" or processes.start_time(pid) != started:
+                    self.dead = f"engine core process {pid} died"
+                    from vllm.v1.engine.exceptions import EngineDeadError
+
+                    queue = self.queue
+                    assert queue is not None
+                    queue.put_nowait(EngineDeadError())
+                    return
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 def random_prompt(vocab_size: int, length: int, seed: int) -> list[int]:

@@ -1,10 +1,18 @@
 """Per-cell results: a pytest plugin that writes results.json (outcome and wall time per test,
-engine starts, the figures the suites measured), and the summary the runner prints at the end
-of a cell.
+engine starts, the figures the suites measured, whether the run completed and how it ended), the
+record of a run that ended early, and the summary the runner prints at the end of a cell.
 
 Engines and servers call record_engine_start() when one comes up; suites call record_figure()
 for each number they measure and judge (a block size against the planner's, a delta against
 its noise floor). The plugin files each under the test (or fixture setup) that was running.
+
+results.json is rewritten as each test starts and ends and at each engine start, marked `"complete": false`
+with `"ended": {"how": "unfinished", "test": ...}` until pytest ends its session: a run killed
+outright leaves the tests it made and the one it was in. The cell's supervisor
+(glm5_matrix.supervision) then calls record_ending() with what only it knows (the signal that
+stopped the cell, the test process killed or dead), and keeps junit.xml, marked incomplete, or
+writes one from results.json when pytest could not. A results.json without "complete" (older
+runs) counts as complete.
 """
 
 from __future__ import annotations
@@ -12,11 +20,19 @@ from __future__ import annotations
 import json
 import os
 import time
+import xml.etree.ElementTree as ET
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 RESULTS_FILE = "results.json"
+JUNIT_FILE = "junit.xml"
+# How a run ended ("ended.how"): pytest ended its session; a signal stopped the cell (or the
+# test process); the test process was killed; a process the run depends on died (the test
+# process before its session ended, or the runner); pytest.exit(); a GPU of the cell was held
+# before it started; still running (or killed with nothing left to record it).
+ENDINGS = ("finished", "signal", "killed", "process-died", "exit", "gpu-held", "unfinished")
 
 
 @dataclass
@@ -43,6 +59,8 @@ class _State:
     current_test: str | None = None
     engine_starts: list[EngineStart] = field(default_factory=list)
     figures: list[Figure] = field(default_factory=list)
+    # Called after each record, so that results.json has it at once (set by the plugin).
+    on_record: Any = None
 
 
 _STATE = _State()
@@ -51,6 +69,8 @@ _STATE = _State()
 def record_engine_start(label: str, seconds: float) -> None:
     """Record that an engine or server `label` came up after `seconds` of start-up."""
     _STATE.engine_starts.append(EngineStart(label, round(seconds, 2), _STATE.current_test))
+    if _STATE.on_record is not None:
+        _STATE.on_record()
 
 
 def engine_starts() -> list[EngineStart]:
@@ -70,17 +90,28 @@ def record_figure(
     if relation not in (None, "<=", ">=", "==", "<", ">"):
         raise ValueError(f"relation {relation!r} is not one of <=, >=, ==, <, >")
     _STATE.figures.append(Figure(name, value, limit, relation, unit, _STATE.current_test))
+    if _STATE.on_record is not None:
+        _STATE.on_record()
 
 
 def figures() -> list[Figure]:
     return list(_STATE.figures)
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
+def write_json_atomic(path: Path, data: Any, compact: bool = False) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    text = json.dumps(data) if compact else json.dumps(data, indent=2, sort_keys=True)
+    tmp.write_text(text + "\n")
     os.replace(tmp, path)
+
+
+def ending(how: str, detail: str, signal: str | None = None, test: str | None = None) -> dict:
+    """An "ended" record: how (one of ENDINGS), the signal if one did it, a line of detail, and
+    the test that was running (None between tests)."""
+    if how not in ENDINGS:
+        raise ValueError(f"ending {how!r} is not one of {', '.join(ENDINGS)}")
+    return {"how": how, "signal": signal, "detail": detail, "test": test}
 
 
 class ResultsPlugin:
@@ -91,13 +122,21 @@ class ResultsPlugin:
         self.context = context
         self.tests: dict[str, dict[str, Any]] = {}
         self.started = time.monotonic()
+        self.running: str | None = None  # the test between its logstart and logfinish
+        self.interruption: dict[str, Any] | None = None
+        _STATE.on_record = self.write_partial
 
     def pytest_runtest_logstart(self, nodeid: str, location: Any) -> None:
-        _STATE.current_test = nodeid
+        _STATE.current_test = self.running = nodeid
+        self.tests.setdefault(nodeid, {"outcome": "running", "seconds": 0.0, "phases": {}})
+        self.write_partial()
+
+    def pytest_runtest_logfinish(self, nodeid: str, location: Any) -> None:
+        self.running = None
 
     def pytest_runtest_logreport(self, report: Any) -> None:
         entry = self.tests.setdefault(
-            report.nodeid, {"outcome": "passed", "seconds": 0.0, "phases": {}}
+            report.nodeid, {"outcome": "running", "seconds": 0.0, "phases": {}}
         )
         entry["seconds"] = round(entry["seconds"] + report.duration, 3)
         entry["phases"][report.when] = report.outcome
@@ -105,41 +144,246 @@ class ResultsPlugin:
             entry["outcome"] = "xpassed" if report.passed else "xfailed"
         elif report.failed:
             entry["outcome"] = "error" if report.when != "call" else "failed"
-        elif report.skipped and entry["outcome"] == "passed":
+        elif report.skipped and entry["outcome"] in ("running", "passed"):
             entry["outcome"] = "skipped"
             entry["reason"] = str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else ""
+        elif report.when == "call" and entry["outcome"] == "running":
+            entry["outcome"] = "passed"
+        if report.when == "teardown":
+            self.write_partial()
+
+    def pytest_keyboard_interrupt(self, excinfo: Any) -> None:
+        """A KeyboardInterrupt (SIGINT) or pytest.exit(): the session ends without its tests."""
+        if isinstance(excinfo.value, KeyboardInterrupt):
+            self.interruption = ending(
+                "signal",
+                "the test process was interrupted (SIGINT) and ran its teardown",
+                signal="SIGINT",
+                test=self.running,
+            )
+        else:
+            self.interruption = ending("exit", f"pytest.exit(): {excinfo.value}", test=self.running)
 
     def pytest_sessionfinish(self, session: Any, exitstatus: int) -> None:
-        outcomes: dict[str, int] = {}
-        for entry in self.tests.values():
-            outcomes[entry["outcome"]] = outcomes.get(entry["outcome"], 0) + 1
+        if self.interruption is not None:
+            self.write(int(exitstatus), False, self.interruption)
+        else:
+            detail = f"pytest ended its session with exit status {int(exitstatus)}"
+            self.write(int(exitstatus), True, ending("finished", detail))
+        _STATE.on_record = None
+
+    def write_partial(self) -> None:
+        unfinished = ending(
+            "unfinished", "the run had not ended when this was written", test=self.running
+        )
+        self.write(None, False, unfinished)
+
+    def write(self, exit_status: int | None, complete: bool, ended: dict[str, Any]) -> None:
+        tests = {nodeid: dict(entry) for nodeid, entry in self.tests.items()}
+        partial = ended["how"] == "unfinished"
+        if not partial:
+            _mark_interrupted(tests)
         write_json_atomic(
             self.path,
             {
                 "cell": self.context,
-                "exit_status": int(exitstatus),
+                "pid": os.getpid(),
+                "exit_status": exit_status,
+                "complete": complete,
+                "ended": ended,
                 "wall_seconds": round(time.monotonic() - self.started, 2),
-                "outcomes": outcomes,
-                "tests": self.tests,
+                "outcomes": count_outcomes(tests),
+                "tests": tests,
                 "engine_starts": [asdict(s) for s in _STATE.engine_starts],
                 "figures": [asdict(f) for f in _STATE.figures],
             },
+            compact=partial,  # rewritten for every test: kept cheap until the last write
         )
 
 
+def count_outcomes(tests: dict[str, dict[str, Any]]) -> dict[str, int]:
+    outcomes: dict[str, int] = {}
+    for entry in tests.values():
+        outcomes[entry["outcome"]] = outcomes.get(entry["outcome"], 0) + 1
+    return outcomes
+
+
+def _mark_interrupted(tests: dict[str, dict[str, Any]]) -> None:
+    """Once the run is over, a test that started and never got its outcome was interrupted."""
+    for entry in tests.values():
+        if entry["outcome"] == "running":
+            entry["outcome"] = "interrupted"
+
+
+def load(results_dir: Path) -> dict[str, Any] | None:
+    """The cell's results.json, or None when there is none (or it is not JSON)."""
+    try:
+        data = json.loads((results_dir / RESULTS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def record_ending(
+    results_dir: Path,
+    ended: dict[str, Any] | None,
+    exit_status: int,
+    wall_seconds: float,
+    left_behind: Sequence[str] = (),
+    junit: Path | None = None,
+) -> dict[str, Any]:
+    """What the cell's supervisor knows once the test command is over, added to the run's own
+    results.json (or to a new one when the command wrote none): `ended` where the command could
+    not say how it ended (None keeps its own), the cell's exit status, the processes that had to
+    be stopped after it. When the run did not complete, junit.xml is kept and marked
+    incomplete, or written from these results when pytest wrote none. Returns the record."""
+    data = load(results_dir)
+    if data is None:
+        data = {
+            "cell": _context(results_dir),
+            "tests": {},
+            "outcomes": {},
+            "engine_starts": [],
+            "figures": [],
+            "wall_seconds": round(wall_seconds, 2),
+        }
+    if ended is not None:
+        previous = data.get("ended") or {}
+        data["ended"] = {**ended, "test": ended.get("test") or previous.get("test")}
+    elif not data.get("ended") or data["ended"].get("how") == "unfinished":
+        raise ValueError("the run did not say how it ended: pass `ended`")
+    data["complete"] = data["ended"]["how"] == "finished"
+    data["exit_status"] = exit_status
+    if left_behind:
+        data["left_behind"] = list(left_behind)
+    if not data["complete"]:
+        _mark_interrupted(data["tests"])
+        data["outcomes"] = count_outcomes(data["tests"])
+    write_json_atomic(results_dir / RESULTS_FILE, data)
+    if junit is not None and not data["complete"]:
+        if junit.is_file():
+            mark_junit_incomplete(junit, data["ended"])
+        else:
+            write_junit(junit, data)
+    return data
+
+
+def _context(results_dir: Path) -> Any:
+    try:
+        return json.loads((results_dir / "context.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+# --- JUnit -------------------------------------------------------------------------------------
+
+_INCOMPLETE_PROPERTY = "glm5-matrix.complete"
+
+
+def write_junit(path: Path, data: dict[str, Any]) -> None:
+    """A junit.xml from results.json (pytest writes its own only at the end of its session): one
+    testcase per test that started, then marked incomplete with how the run ended."""
+    cell = data.get("cell") or {}
+    suite = ET.Element("testsuite", name=str(cell.get("id") or "glm5-matrix"))
+    counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    total = 0.0
+    for nodeid, entry in data.get("tests", {}).items():
+        path_part, _, rest = nodeid.partition("::")
+        *classes, name = rest.split("::") if rest else [path_part]
+        classname = ".".join([path_part.removesuffix(".py").replace("/", "."), *classes])
+        case = ET.SubElement(
+            suite, "testcase", classname=classname, name=name, time=str(entry.get("seconds", 0))
+        )
+        outcome = entry.get("outcome")
+        counts["tests"] += 1
+        total += float(entry.get("seconds", 0))
+        if outcome == "failed":
+            ET.SubElement(case, "failure", message="failed")
+            counts["failures"] += 1
+        elif outcome in ("error", "interrupted"):
+            message = "the run ended while this test ran" if outcome == "interrupted" else "error"
+            ET.SubElement(case, "error", message=message)
+            counts["errors"] += 1
+        elif outcome in ("skipped", "xfailed"):
+            ET.SubElement(case, "skipped", message=str(entry.get("reason") or outcome))
+            counts["skipped"] += 1
+    suite.attrib.update({k: str(v) for k, v in counts.items()}, time=f"{total:.3f}")
+    root = ET.Element("testsuites")
+    root.append(suite)
+    _mark_incomplete(root, data["ended"])
+    _write_xml(path, root)
+
+
+def mark_junit_incomplete(path: Path, ended: dict[str, Any]) -> None:
+    """Mark each testsuite of junit.xml as from a run that ended early: a property
+    glm5-matrix.complete=false and an error testcase saying how it ended (which a CI's JUnit view
+    shows as a failure). The tests already in the file are kept as they are."""
+    root = ET.parse(path).getroot()
+    _mark_incomplete(root, ended)
+    _write_xml(path, root)
+
+
+def _mark_incomplete(root: ET.Element, ended: dict[str, Any]) -> None:
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    for suite in suites:
+        properties = suite.find("properties")
+        if properties is None:
+            properties = ET.Element("properties")
+            suite.insert(0, properties)
+        if any(p.get("name") == _INCOMPLETE_PROPERTY for p in properties):
+            continue
+        ET.SubElement(properties, "property", name=_INCOMPLETE_PROPERTY, value="false")
+        case = ET.SubElement(suite, "testcase", classname="glm5-matrix", name="run ended early")
+        case.set("time", "0")
+        error = ET.SubElement(
+            case, "error", message=describe_ending(ended), type=str(ended.get("how"))
+        )
+        error.text = str(ended.get("detail") or "")
+        for attribute in ("tests", "errors"):
+            suite.set(attribute, str(int(suite.get(attribute, "0")) + 1))
+
+
+def _write_xml(path: Path, root: ET.Element) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    ET.ElementTree(root).write(tmp, encoding="utf-8", xml_declaration=True)
+    os.replace(tmp, path)
+
+
+# --- the summary line --------------------------------------------------------------------------
+
+
+def describe_ending(ended: dict[str, Any]) -> str:
+    how, signal, test = ended.get("how"), ended.get("signal"), ended.get("test")
+    if how == "signal":
+        text = f"stopped by {signal}"
+    elif how == "killed":
+        text = f"the test process was killed by {signal}"
+    else:
+        text = str(ended.get("detail") or how)
+    return f"{text} during {test}" if test else text
+
+
 def summarize(results_dir: Path) -> str:
-    """One line for the end of a cell: outcomes, engine starts, wall time."""
-    path = results_dir / RESULTS_FILE
-    if not path.is_file():
-        return f"no {RESULTS_FILE} in {results_dir}"
-    data = json.loads(path.read_text())
+    """One line for the end of a cell: outcomes, engine starts, wall time; a run that ended
+    early says so first, and counts only the tests it made."""
+    data = load(results_dir)
+    if data is None:
+        return f"no {RESULTS_FILE} in {results_dir}: this run recorded no results"
     outcomes = ", ".join(f"{n} {k}" for k, n in sorted(data["outcomes"].items())) or "no tests"
     starts = data["engine_starts"]
     start_seconds = sum(s["seconds"] for s in starts)
-    return (
+    line = (
         f"{outcomes}; {len(starts)} engine start(s) ({start_seconds:.0f} s); "
-        f"wall {data['wall_seconds']:.0f} s -> {path}"
+        f"wall {data['wall_seconds']:.0f} s -> {results_dir / RESULTS_FILE}"
     )
+    if not data.get("complete", True):
+        ran = outcomes if data["outcomes"] else "no test ran"
+        line = f"INCOMPLETE, {describe_ending(data.get('ended') or {})}: " + line.replace(
+            outcomes, f"of the tests that ran: {ran}", 1
+        )
+    if data.get("left_behind"):
+        line += f"; {len(data['left_behind'])} process(es) left behind were stopped"
+    return line
 
 
 def pytest_configure(config: Any) -> None:

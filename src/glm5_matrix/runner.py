@@ -1,8 +1,10 @@
 """Running one cell: preflight, environment, the cell's suites, results.
 
 The noxfile calls run_variant() from every cell session; this is the one helper behind them.
-Order matters for GPU minutes and for honest skips: the model source and the hardware are
-checked before any environment is built.
+Order matters for GPU minutes and for honest skips: the model source (and a named drafter) and
+the hardware are checked before any environment is built. The cell's results folder is emptied
+before it starts, and its commands run under glm5_matrix.supervision, which stops everything they
+start whatever ends the cell and records how the run ended.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from glm5_matrix import context as cell_context
-from glm5_matrix import environments, hardware, results, weights
+from glm5_matrix import drafters, environments, hardware, results, supervision, weights
 from glm5_matrix.errors import UserError
 from glm5_matrix.matrix import MATRIX_FILE, Matrix, Variant, load_matrix
 from glm5_matrix.profiles import load_profile, repo_root
@@ -78,6 +80,20 @@ def resolve_weights(
     return cell_context.Weights(kind=default, source="profile")
 
 
+def check_drafter(variant: Variant, environ: dict[str, str]) -> None:
+    """A drafter named by GLM5_DFLASH2_DRAFT for a DFlash cell must be one (one line if not)."""
+    named = environ.get(drafters.DRAFT_VARIABLE)
+    if variant.cell.suite == "dflash" and named and variant.cell.profile is not None:
+        drafters.check_named_drafter(load_profile(variant.cell.profile), named)
+
+
+def empty_results_dir(out: Path) -> None:
+    """Nothing of an earlier run may be read back as this one's: the folder starts empty."""
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+
+
 def results_dir(variant: Variant, environ: dict[str, str]) -> Path:
     base = Path(environ.get(RESULTS_VARIABLE) or repo_root() / "results")
     return base / variant.slug
@@ -90,16 +106,24 @@ def venv_dir(variant: Variant, environ: dict[str, str]) -> Path:
 
 def run_variant(session: Any, variant: Variant) -> None:
     """Everything a cell session does. `session` is a nox.Session."""
+    with supervision.stop_on_signals():
+        _run_variant(session, variant)
+
+
+def _run_variant(session: Any, variant: Variant) -> None:
     environ = dict(os.environ)
     try:
         options = parse_posargs(list(session.posargs), environ)
         model_source = resolve_weights(variant, options.model, environ)
+        check_drafter(variant, environ)
         found = hardware.detect(environ)
         verdict = hardware.check(variant.cell, found)
         if not verdict.runnable:
             if hardware.strict(environ):
                 session.error(f"{verdict.reason} ({hardware.STRICT_VARIABLE} is set)")
             session.skip(verdict.reason)
+        out = results_dir(variant, environ)
+        empty_results_dir(out)
         env = environments.load_envs(repo_root())[variant.env]
         override = environments.resolve_vllm_override(options.vllm, env)
         built = environments.build(
@@ -114,8 +138,6 @@ def run_variant(session: Any, variant: Variant) -> None:
     session.log(f"weights: {model_source.describe()}")
     session.log(f"environment {variant.env}: {built.describe()}")
 
-    out = results_dir(variant, environ)
-    out.mkdir(parents=True, exist_ok=True)
     ctx = cell_context.for_variant(
         variant,
         weights=model_source,
@@ -147,7 +169,9 @@ def run_variant(session: Any, variant: Variant) -> None:
             executable = shutil.which(program, path=run_env.get("PATH"))
             if executable is None:
                 session.error(f"{program} is not installed in the {variant.env} environment")
-            session.run(executable, *arguments, env=run_env, external=True)
+            assert executable is not None  # session.error raised
+            command = supervision.supervised([executable, *arguments], built.python)
+            session.run(*command, env=run_env, external=True, **supervision.NOX_TIMEOUTS)
         return
     pytest = [
         str(built.python),
@@ -158,11 +182,12 @@ def run_variant(session: Any, variant: Variant) -> None:
         "glm5_matrix.results",
         "-p",
         "glm5_matrix.known_failures",
-        f"--junitxml={out / 'junit.xml'}",
+        f"--junitxml={out / results.JUNIT_FILE}",
         *options.pytest_args,
     ]
     session.log(f"cell context: {context_file}")
+    command = supervision.supervised(pytest, built.python, results_dir=out, gpus=cell.gpus)
     try:
-        session.run(*pytest, env=run_env, external=True)
+        session.run(*command, env=run_env, external=True, **supervision.NOX_TIMEOUTS)
     finally:
         session.log(f"{variant.id}: {results.summarize(out)}")

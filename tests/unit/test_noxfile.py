@@ -40,7 +40,7 @@ def test_json_listing_has_every_cell_with_tags():
     for name in ("e2e-tp1(deep_gemm)", "e2e-tp4(flashinfer)", "offload-tp1(offloading)"):
         assert "gpu" in listing[name]["tags"]
     assert "gpus-2" in listing["pd-nixl"]["tags"]
-    for name in ("e2e-cpu", "pd-nixl-cpu", "layout", "metadata", "unit", "lint"):
+    for name in ("e2e-cpu", "pd-nixl-cpu", "layout", "metadata", "unit", "lint", "faults"):
         assert "cpu" in listing[name]["tags"], name
     assert all(entry["description"] for entry in listing.values())
 
@@ -81,6 +81,28 @@ def test_missing_checkpoint_is_an_error_not_a_fallback(tmp_path):
     assert (
         "GLM5_PRUNED_MODEL=" in result.stderr and "checkpoint directory not found" in result.stderr
     )
+
+
+def test_a_drafter_that_is_not_one_is_one_line_before_any_build(tmp_path):
+    venvs = tmp_path / "venvs"
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    for folder, expected in (
+        (tmp_path / "missing", "no DFlash2 drafter there (no config.json)"),
+        (tmp_path / "llama", "architectures ['LlamaForCausalLM'] is not ['DFlash2DraftModel']"),
+    ):
+        result = nox(
+            "-s",
+            "dflash-tp1",
+            GLM5_MATRIX_GPUS="",  # refused even where the cell would skip for want of a GPU
+            GLM5_DFLASH2_DRAFT=str(folder),
+            GLM5_MATRIX_VENVS=str(venvs),
+        )
+        assert result.returncode != 0
+        errors = [line for line in result.stderr.splitlines() if "GLM5_DFLASH2_DRAFT=" in line]
+        assert len(errors) == 1 and expected in errors[0], result.stderr
+        assert "Traceback" not in result.stderr
+    assert not venvs.exists()
 
 
 def test_override_to_a_missing_wheel_fails_before_building(tmp_path):

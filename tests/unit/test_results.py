@@ -4,6 +4,7 @@ fail, skip and record figures; what results.json then holds."""
 from __future__ import annotations
 
 import json
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from glm5_matrix import results
 from glm5_matrix.context import CONTEXT_VARIABLE, CellContext
 
 pytest_plugins = ("pytester",)
+SRC = str(Path(results.__file__).resolve().parent.parent)  # for pytest in a subprocess
 
 SUITE = """
 import pytest
@@ -60,6 +62,7 @@ def test_results_json_holds_outcomes_starts_and_figures(
     data = json.loads((tmp_path / "results" / results.RESULTS_FILE).read_text())
     assert data["outcomes"] == {"passed": 1, "failed": 1, "skipped": 1}
     assert data["exit_status"] == 1
+    assert data["complete"] is True and data["ended"]["how"] == "finished"
     (start,) = data["engine_starts"]
     assert start == {"label": "engine:x", "seconds": 1.23, "test": "test_cell.py::test_measures"}
     by_name = {f["name"]: f for f in data["figures"]}
@@ -80,3 +83,113 @@ def test_results_json_holds_outcomes_starts_and_figures(
 def test_a_relation_that_means_nothing_is_refused() -> None:
     with pytest.raises(ValueError, match="relation"):
         results.record_figure("x", 1, limit=2, relation="~")
+
+
+# A test process killed outright (here: by itself) mid-test, as the OOM killer would.
+KILLED = """
+import os, signal
+from glm5_matrix.results import record_engine_start
+
+def test_first():
+    pass
+
+def test_killed():
+    record_engine_start("engine:y", 2.0)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+def test_never_run():
+    pass
+"""
+
+
+def test_a_killed_run_leaves_the_tests_it_made_and_the_one_it_was_in(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv(CONTEXT_VARIABLE, str(_context(tmp_path)))
+    monkeypatch.setenv("PYTHONPATH", SRC)
+    pytester.makepyfile(test_cell=KILLED)
+    run = pytester.runpytest_subprocess("-p", "glm5_matrix.results")
+    assert run.ret == -9
+    data = json.loads((tmp_path / "results" / results.RESULTS_FILE).read_text())
+    assert data["complete"] is False
+    assert data["ended"]["how"] == "unfinished"
+    assert data["ended"]["test"] == "test_cell.py::test_killed"
+    assert data["tests"]["test_cell.py::test_first"]["outcome"] == "passed"
+    # Started, never finished: not a pass; the test after it was never started.
+    assert data["tests"]["test_cell.py::test_killed"]["outcome"] == "running"
+    assert "test_cell.py::test_never_run" not in data["tests"]
+    assert data["engine_starts"][0]["label"] == "engine:y"  # written as it happened
+    # What the cell's supervisor then adds.
+    junit = tmp_path / "results" / results.JUNIT_FILE
+    ended = results.ending("killed", "the test process (pid 1) was killed by SIGKILL", "SIGKILL")
+    results.record_ending(tmp_path / "results", ended, 137, 3.0, junit=junit)
+    data = json.loads((tmp_path / "results" / results.RESULTS_FILE).read_text())
+    assert data["ended"]["test"] == "test_cell.py::test_killed"  # kept from the run's record
+    assert data["outcomes"] == {"passed": 1, "interrupted": 1}
+    assert data["exit_status"] == 137
+    line = results.summarize(tmp_path / "results")
+    assert line.startswith(
+        "INCOMPLETE, the test process was killed by SIGKILL during test_cell.py::test_killed: "
+        "of the tests that ran: 1 interrupted, 1 passed;"
+    ), line
+    suite = ET.parse(junit).getroot().find("testsuite")
+    assert suite is not None
+    names = [case.get("name") for case in suite.iter("testcase")]
+    assert names == ["test_first", "test_killed", "run ended early"]
+    assert suite.get("tests") == "3" and suite.get("errors") == "2"
+    prop = suite.find("properties/property")
+    assert prop is not None and prop.attrib == {"name": "glm5-matrix.complete", "value": "false"}
+
+
+INTERRUPTED = """
+def test_first():
+    pass
+
+def test_interrupted():
+    raise KeyboardInterrupt
+
+def test_never_run():
+    pass
+"""
+
+
+def test_an_interrupted_run_says_so_and_its_junit_is_marked(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv(CONTEXT_VARIABLE, str(_context(tmp_path)))
+    monkeypatch.setenv("PYTHONPATH", SRC)
+    junit = tmp_path / "results" / results.JUNIT_FILE
+    pytester.makepyfile(test_cell=INTERRUPTED)
+    run = pytester.runpytest_subprocess("-p", "glm5_matrix.results", f"--junitxml={junit}")
+    assert run.ret == 2
+    data = json.loads((tmp_path / "results" / results.RESULTS_FILE).read_text())
+    assert data["complete"] is False
+    assert data["ended"]["how"] == "signal" and data["ended"]["signal"] == "SIGINT"
+    assert data["ended"]["test"] == "test_cell.py::test_interrupted"
+    assert data["outcomes"] == {"passed": 1, "interrupted": 1}
+    # The supervisor knows more: the cell got SIGTERM, and asked pytest to stop with SIGINT.
+    ended = results.ending("signal", "SIGTERM to the cell", "SIGTERM")
+    results.record_ending(tmp_path / "results", ended, 143, 1.0, junit=junit)
+    results.record_ending(tmp_path / "results", ended, 143, 1.0, junit=junit)  # idempotent
+    text = junit.read_text()
+    assert text.count("glm5-matrix.complete") == 1
+    assert 'message="stopped by SIGTERM during test_cell.py::test_interrupted"' in text
+    assert 'name="test_first"' in text  # pytest's own record is kept
+    assert results.summarize(tmp_path / "results").startswith(
+        "INCOMPLETE, stopped by SIGTERM during test_cell.py::test_interrupted: of the tests "
+        "that ran: 1 interrupted, 1 passed;"
+    )
+
+
+def test_a_run_that_recorded_nothing_says_so(tmp_path: Path) -> None:
+    assert results.summarize(tmp_path).endswith("this run recorded no results")
+    # A folder whose results.json lacks "complete" (an older run) counts as complete.
+    (tmp_path / results.RESULTS_FILE).write_text(
+        json.dumps({"outcomes": {"passed": 2}, "engine_starts": [], "wall_seconds": 3})
+    )
+    assert results.summarize(tmp_path).startswith("2 passed;")
+
+
+def test_an_ending_must_be_known() -> None:
+    with pytest.raises(ValueError, match="ending"):
+        results.ending("vanished", "?")

@@ -125,6 +125,28 @@ def test_stop_process_group_kills_child_and_grandchild(tmp_path: Path) -> None:
             proc.wait()
 
 
+def test_stop_process_groups_stops_them_together(tmp_path: Path) -> None:
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _STUBBORN, str(tmp_path / f"{i}.pid")], start_new_session=True
+        )
+        for i in range(3)
+    ]
+    try:
+        for i in range(3):
+            _wait_for_file(tmp_path / f"{i}.pid")
+        started = time.monotonic()
+        assert processes.stop_process_groups(procs, grace_seconds=2.0, kill_seconds=10.0)
+        # One grace period for all three (one after the other would take three).
+        assert time.monotonic() - started < 5.0
+        assert all(proc.returncode == -9 for proc in procs)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+
+
 def test_stop_process_group_of_a_process_that_obeys_sigterm() -> None:
     proc = subprocess.Popen(
         [sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True

@@ -1,0 +1,438 @@
+"""Whatever ends a cell, nothing it started outlives it.
+
+The runner runs a cell's test command (pytest, or a lint tool) under a supervisor,
+`python -m glm5_matrix.supervision [options] -- COMMAND...`, started by the cell's own
+interpreter (nothing but the standard library, and NVML where the cell has it). The supervisor:
+
+- is a child subreaper (prctl PR_SET_CHILD_SUBREAPER): a process whose parent dies (vLLM's
+  engine core when pytest is killed, a server's engine core when its server is) is re-parented
+  to the supervisor instead of to init, so everything the cell started stays its descendant;
+- starts COMMAND in a session of its own, so that a terminal's Ctrl-C reaches the test process
+  only through the supervisor, and with PR_SET_PDEATHSIG=SIGINT, so that pytest still runs the
+  suites' teardown if the supervisor itself is killed outright;
+- takes SIGINT, SIGTERM and SIGHUP as "stop the cell", and gets SIGTERM from the kernel when the
+  runner's process dies, even by SIGKILL (PR_SET_PDEATHSIG); it leads a session of its own, so
+  that a SIGKILL to the runner's process group does not take it along;
+- stops the cell in two steps. First SIGINT to COMMAND's process group, as a Ctrl-C would: pytest
+  runs the suites' own teardown (engines shut down through vLLM, servers by process group) for up
+  to `grace` seconds. Then every descendant left gets SIGTERM, and `kill_after` seconds later
+  SIGKILL. The second step also follows a COMMAND that ended by itself; either way the
+  supervisor reaps every descendant before it exits;
+- on a GPU cell, says in one line which process already holds memory on the cell's GPUs before
+  COMMAND starts (and does not start it), and after the sweep checks that no process of the cell
+  still holds any (glm5_matrix.gpu_memory);
+- records how the run ended (glm5_matrix.results.record_ending): afterwards results.json says
+  whether the run completed, and junit.xml is there, marked when the run ended early.
+
+Its exit status is COMMAND's; 128 + the signal that stopped the cell or killed COMMAND; or 1 when
+COMMAND succeeded but processes had to be stopped after it, or a GPU stayed held.
+
+In the runner's process (nox's), stop_on_signals() makes SIGTERM and SIGHUP, which would end nox
+at once and leave the cell to itself, do what Ctrl-C does: the signal goes on to nox's children
+(the supervisor), and nox waits NOX_TIMEOUTS for them to end before it reports the session
+interrupted. Servers are started through die_with_parent(), so a server goes (SIGTERM, a clean
+shutdown of its engine) when the test process that started it goes.
+
+Nothing here selects a process by name: by process id, by process group, or as a descendant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from types import FrameType
+
+from glm5_matrix import processes
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+GRACE_S = 60.0  # for the test command's own teardown after SIGINT
+KILL_AFTER_S = 10.0  # from SIGTERM to SIGKILL of what is left
+LINGER_S = 3.0  # for descendants of a command that ended by itself to exit on their own
+GPU_RELEASE_S = 15.0  # for the driver to free the memory of the cell's stopped processes
+POLL_S = 0.1
+# nox's session.run waits this long for the supervisor after an interrupt (nox's default,
+# 0.3 s, then SIGTERM and SIGKILL, would cut the teardown short).
+NOX_TIMEOUTS = {
+    "interrupt_timeout": GRACE_S + 2 * KILL_AFTER_S + GPU_RELEASE_S + 10.0,
+    "terminate_timeout": 10.0,
+}
+
+
+def _prctl(option: int, value: int) -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return int(libc.prctl(option, value, 0, 0, 0)) == 0
+
+
+def become_subreaper() -> bool:
+    """Make this process the child subreaper of its descendants (Linux); False elsewhere."""
+    return _prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def die_with_parent_self(sig: int = signal.SIGTERM) -> bool:
+    """Ask the kernel for `sig` when this process's parent (thread) dies (Linux)."""
+    return _prctl(PR_SET_PDEATHSIG, int(sig))
+
+
+# Runs in the child before the real program: sets PR_SET_PDEATHSIG, checks that the parent did not
+# die before that (the signal would never come), then becomes the program (same pid, so the
+# process group the caller made is the program's).
+_EXEC_WITH_PDEATHSIG = (
+    "import ctypes, os, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, int(sys.argv[1]), 0, 0, 0)\n"
+    "if os.getppid() != int(sys.argv[2]):\n"
+    "    os._exit(128 + int(sys.argv[1]))\n"
+    "os.execvp(sys.argv[3], sys.argv[3:])\n"
+)
+
+
+def die_with_parent(command: Sequence[str], sig: int = signal.SIGTERM) -> list[str]:
+    """`command` such that it gets `sig` when this process dies: the command line of a small
+    Python step that sets PR_SET_PDEATHSIG and then execs `command` in the same process. Start it
+    from the thread that lives as long as the process (the main thread): the kernel sends the
+    signal when the thread that started it ends. Unchanged on other systems."""
+    if not sys.platform.startswith("linux"):
+        return list(command)
+    return [sys.executable, "-c", _EXEC_WITH_PDEATHSIG, str(int(sig)), str(os.getpid()), *command]
+
+
+def supervised(
+    command: Sequence[str],
+    python: str | Path,
+    results_dir: Path | None = None,
+    gpus: int = 0,
+) -> list[str]:
+    """The command line that runs `command` under the supervisor, with the cell's `python`
+    (which must import glm5_matrix: the runner puts src/ on its PYTHONPATH)."""
+    line = [str(python), "-m", "glm5_matrix.supervision", "--parent", str(os.getpid())]
+    if results_dir is not None:
+        line += ["--results", str(results_dir)]
+    if gpus:
+        line += ["--gpus", str(gpus)]
+    return [*line, "--", *command]
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """In the runner's process: the first SIGINT, SIGTERM or SIGHUP goes on to this process's
+    children (the supervisor, or a build step) and raises KeyboardInterrupt, so that nox waits
+    for them (NOX_TIMEOUTS) and then reports the session interrupted (exit 130) instead of dying
+    mid-cell; later ones are ignored, so a second Ctrl-C cannot cut the teardown short."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        if received:
+            _say(f"{signal.Signals(signum).name} again: the cell is being stopped")
+            return
+        received.append(signum)
+        for child in processes.live_children():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signum)
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _say(line: str) -> None:
+    """One line on stderr; a terminal that is gone (SIGHUP) must not stop the teardown."""
+    with contextlib.suppress(OSError):
+        print(f"glm5-matrix: {line}", file=sys.stderr, flush=True)
+
+
+class Supervisor:
+    """Runs one command and stops everything below it; see the module docstring."""
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        *,
+        parent: int | None = None,
+        results_dir: Path | None = None,
+        gpus: int = 0,
+        grace: float = GRACE_S,
+        kill_after: float = KILL_AFTER_S,
+        linger: float = LINGER_S,
+    ) -> None:
+        self.command = list(command)
+        self.parent = parent
+        self.results_dir = results_dir
+        self.gpus = gpus
+        self.grace = grace
+        self.kill_after = kill_after
+        self.linger = linger
+        self.stop_signal: int | None = None
+        self.runner_died = False
+        self.seen: set[int] = set()  # every descendant seen: "a process of the cell"
+        self.left_behind: list[str] = []
+        self.child: subprocess.Popen[bytes] | None = None
+        self.child_status: int | None = None  # a wait status (os.waitpid)
+        self.child_overran = False  # still running `grace` seconds after SIGINT
+        self.started = time.monotonic()
+
+    # --- signals -------------------------------------------------------------------------------
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.stop_signal is None:
+            self.stop_signal = signum
+            if self.parent is not None and os.getppid() != self.parent:
+                self.runner_died = True  # PR_SET_PDEATHSIG: the runner's process is gone
+
+    # --- the run -------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._on_signal)
+        become_subreaper()
+        die_with_parent_self(signal.SIGTERM)
+        if os.getsid(0) != os.getpid():
+            # A session of its own: a SIGKILL to the runner's process group (`kill -9 -PGID`,
+            # nox -j's escalation 2 s after its SIGTERM) ends the runner, not the teardown; the
+            # runner's death then stops the cell (PR_SET_PDEATHSIG).
+            with contextlib.suppress(OSError):
+                os.setsid()
+        if self.parent is not None and os.getppid() != self.parent:
+            self.stop_signal, self.runner_died = signal.SIGTERM, True
+        held = self._gpus_held_before()
+        if held:
+            _say(held)
+            self._record(1, ending=("gpu-held", None, held))
+            return 1
+        if self.stop_signal is None:
+            self.child = subprocess.Popen(
+                die_with_parent(self.command, signal.SIGINT), start_new_session=True
+            )
+            self._wait_for_child()
+        self._sweep()
+        still_held = self._gpus_held_after()
+        code = self._exit_status()
+        if (self.left_behind or still_held) and code == 0:
+            code = 1
+        if self.left_behind:
+            _say(
+                f"stopped {len(self.left_behind)} process(es) the test command left behind: "
+                + "; ".join(self.left_behind)
+            )
+        if still_held:
+            _say(still_held)
+            self.left_behind.append(still_held)
+        self._record(code)
+        return code
+
+    def _wait_for_child(self) -> None:
+        assert self.child is not None
+        asked_at: float | None = None
+        last_look = 0.0
+        while True:
+            self._reap()
+            if self.child_status is not None:
+                return
+            now = time.monotonic()
+            if self.stop_signal is not None:
+                if asked_at is None:
+                    asked_at = now
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(self.child.pid, signal.SIGINT)
+                elif now - asked_at >= self.grace:
+                    self.child_overran = True
+                    return  # the sweep stops it
+            if now - last_look >= 1.0:
+                self.seen.update(processes.live_descendants())
+                last_look = now
+            time.sleep(POLL_S)
+
+    def _reap(self) -> None:
+        """Collect every child that ended (COMMAND and the orphans re-parented to us)."""
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if self.child is not None and pid == self.child.pid:
+                self.child_status = status
+                self.child.returncode = os.waitstatus_to_exitcode(status)
+
+    def _sweep(self) -> None:
+        """Stop every descendant left: after a command that ended by itself, a short wait for
+        them to exit on their own; then SIGTERM (also to any that appear meanwhile), then
+        SIGKILL; reap them all. What a command that ended by itself left is `left_behind`."""
+        by_itself = self.stop_signal is None and self.child_status is not None
+        deadline = time.monotonic() + (self.linger if by_itself else 0.0)
+        while True:
+            self._reap()
+            left = processes.live_descendants()
+            self.seen.update(left)
+            if not left or time.monotonic() >= deadline:
+                break
+            time.sleep(POLL_S)
+        described: set[int] = set()
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            sent: set[int] = set()
+            deadline = time.monotonic() + self.kill_after
+            while left:
+                for pid in set(left) - sent:
+                    if by_itself and pid not in described:
+                        self.left_behind.append(f"pid {pid}: {processes.cmdline(pid)}")
+                        described.add(pid)
+                    sent.add(pid)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, sig)
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(POLL_S)
+                self._reap()
+                left = processes.live_descendants()
+                self.seen.update(left)
+        self._reap()
+        for pid in processes.live_descendants():  # in the kernel's hands (state D)
+            self.left_behind.append(f"pid {pid} survived SIGKILL: {processes.cmdline(pid)}")
+
+    # --- GPUs ----------------------------------------------------------------------------------
+
+    def _gpus(self) -> list[str]:
+        from glm5_matrix import gpu_memory
+
+        return gpu_memory.cell_gpus(os.environ, self.gpus)
+
+    def _gpus_held_before(self) -> str | None:
+        if not self.gpus:
+            return None
+        from glm5_matrix import gpu_memory
+
+        found = gpu_memory.holders(self._gpus())
+        if not found:
+            return None
+        return (
+            "a GPU of this cell is already held by another process, so the cell does not start: "
+            + "; ".join(f"{h.describe()} ({processes.cmdline(h.pid)})" for h in found)
+        )
+
+    def _gpus_held_after(self) -> str | None:
+        if not self.gpus:
+            return None
+        from glm5_matrix import gpu_memory
+
+        deadline = time.monotonic() + GPU_RELEASE_S
+        while True:
+            found = gpu_memory.holders(self._gpus())
+            ours = [h for h in found or [] if h.pid in self.seen]
+            if not ours:
+                return None
+            if time.monotonic() >= deadline:
+                return (
+                    "GPU memory still held by processes of this cell after they were stopped: "
+                    + ("; ".join(h.describe() for h in ours))
+                )
+            time.sleep(1.0)
+
+    # --- how it ended ----------------------------------------------------------------------------
+
+    def _exit_status(self) -> int:
+        if self.stop_signal is not None:
+            return 128 + self.stop_signal
+        assert self.child_status is not None
+        if os.WIFSIGNALED(self.child_status):
+            return 128 + os.WTERMSIG(self.child_status)
+        return os.waitstatus_to_exitcode(self.child_status)
+
+    def _ending(self) -> tuple[str, str | None, str] | None:
+        """(how, signal, detail) where the test command could not say it; None where it did."""
+        from glm5_matrix import results
+
+        pid = self.child.pid if self.child is not None else None
+        if self.runner_died:
+            return (
+                "process-died",
+                None,
+                f"the runner (pid {self.parent}) died; the cell was stopped",
+            )
+        if self.stop_signal is not None:
+            name = signal.Signals(self.stop_signal).name
+            if self.child is None:
+                return ("signal", name, f"{name} before the test command started")
+            if self.child_overran:
+                how = f"did not end within {self.grace:.0f} s of SIGINT and was killed"
+            else:
+                how = "was interrupted (SIGINT) and ran its teardown"
+            return ("signal", name, f"{name} to the cell: the test process (pid {pid}) {how}")
+        assert self.child_status is not None
+        if os.WIFSIGNALED(self.child_status):
+            name = signal.Signals(os.WTERMSIG(self.child_status)).name
+            return ("killed", name, f"the test process (pid {pid}) was killed by {name}")
+        recorded = results.load(self.results_dir) if self.results_dir else None
+        if recorded is None or (recorded.get("ended") or {}).get("how") in (None, "unfinished"):
+            code = os.waitstatus_to_exitcode(self.child_status)
+            return (
+                "process-died",
+                None,
+                f"the test process (pid {pid}) exited with status {code} before its session ended",
+            )
+        return None
+
+    def _record(self, code: int, ending: tuple[str, str | None, str] | None = None) -> None:
+        if self.results_dir is None:
+            return
+        from glm5_matrix import results
+
+        found = ending or self._ending()
+        ended = None if found is None else results.ending(found[0], found[2], signal=found[1])
+        results.record_ending(
+            self.results_dir,
+            ended,
+            code,
+            time.monotonic() - self.started,
+            self.left_behind,
+            junit=self.results_dir / results.JUNIT_FILE,
+        )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m glm5_matrix.supervision",
+        description="Run COMMAND; stop and reap everything it starts, whatever ends it.",
+    )
+    parser.add_argument("--parent", type=int, help="the runner's pid: stop when it is gone")
+    parser.add_argument("--results", type=Path, help="the cell's results folder")
+    parser.add_argument("--gpus", type=int, default=0, help="GPUs the cell uses")
+    parser.add_argument("--grace", type=float, default=GRACE_S)
+    parser.add_argument("--kill-after", type=float, default=KILL_AFTER_S)
+    parser.add_argument("--linger", type=float, default=LINGER_S)
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("no COMMAND after --")
+    return Supervisor(
+        command,
+        parent=args.parent,
+        results_dir=args.results,
+        gpus=args.gpus,
+        grace=args.grace,
+        kill_after=args.kill_after,
+        linger=args.linger,
+    ).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,380 @@
+"""glm5_matrix.supervision with real processes: sleepers, a child that orphans a grandchild, a
+process that ignores SIGINT and SIGTERM, a supervisor whose parent is killed outright.
+
+Where the GPU check is driven (test_gpu_*), nvidia-smi is a stand-in script first on PATH that
+prints recorded-format output: the only way to show the refusal without a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from glm5_matrix import processes, supervision
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux prctl")
+
+SRC = str(Path(supervision.__file__).parent.parent)
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, env.get("PYTHONPATH")) if p)
+    env.update(extra)
+    return env
+
+
+def _supervise(
+    command: list[str], tmp_path: Path, *options: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "glm5_matrix.supervision",
+            "--results",
+            str(tmp_path / "r"),
+            *options,
+            "--",
+            *command,
+        ],
+        env=env or _env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_for(predicate, seconds: float = 30.0):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        found = predicate()
+        if found:
+            return found
+        time.sleep(0.05)
+    raise AssertionError(f"not within {seconds} s")
+
+
+def _alive(pid: int, started: int | None) -> bool:
+    stat = processes.proc_stat(pid)
+    return stat is not None and stat[0] != "Z" and processes.start_time(pid) == started
+
+
+def _results(tmp_path: Path) -> dict:
+    return json.loads((tmp_path / "r" / "results.json").read_text())
+
+
+# A command that starts a grandchild ignoring SIGTERM, writes its pid, then waits `argv[2]`
+# seconds (or forever) and exits 0; on SIGINT it writes "SIGINT" to argv[3] first.
+_ORPHANING = textwrap.dedent(
+    """
+    import signal, subprocess, sys, time
+    grandchild = subprocess.Popen([sys.executable, "-c",
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+    open(sys.argv[1], "w").write(str(grandchild.pid))
+    try:
+        time.sleep(float(sys.argv[2]))
+    except KeyboardInterrupt:
+        open(sys.argv[3], "w").write("SIGINT")
+    """
+)
+
+
+def test_what_a_finished_command_left_is_stopped_and_named(tmp_path: Path) -> None:
+    pid_file = tmp_path / "grandchild.pid"
+    started = time.monotonic()
+    proc = _supervise(
+        [sys.executable, "-c", _ORPHANING, str(pid_file), "0.5", str(tmp_path / "int")],
+        tmp_path,
+        "--linger",
+        "0.5",
+        "--kill-after",
+        "1",
+    )
+    _, stderr = proc.communicate(timeout=60)
+    grandchild = int(pid_file.read_text())
+    # The grandchild was orphaned when the command exited, came back to the supervisor (child
+    # subreaper), ignored SIGTERM and was killed: nothing is left, and the cell fails.
+    assert processes.proc_stat(grandchild) is None
+    assert proc.returncode == 1
+    assert "left behind" in stderr and f"pid {grandchild}" in stderr
+    data = _results(tmp_path)
+    assert data["left_behind"][0].startswith(f"pid {grandchild}: ")
+    assert time.monotonic() - started < 20
+
+
+def test_sigterm_stops_the_command_with_sigint_first(tmp_path: Path) -> None:
+    pid_file, marker = tmp_path / "grandchild.pid", tmp_path / "int"
+    proc = _supervise(
+        [sys.executable, "-c", _ORPHANING, str(pid_file), "600", str(marker)],
+        tmp_path,
+        "--kill-after",
+        "1",
+    )
+    grandchild = int(_wait_for(lambda: pid_file.is_file() and pid_file.read_text()))
+    started = processes.start_time(grandchild)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert marker.read_text() == "SIGINT"  # the command's own teardown ran
+    assert not _alive(grandchild, started)
+    data = _results(tmp_path)
+    assert data["complete"] is False
+    assert data["ended"]["how"] == "signal" and data["ended"]["signal"] == "SIGTERM"
+    assert "ran its teardown" in data["ended"]["detail"]
+    assert data["exit_status"] == 143
+    assert "glm5-matrix.complete" in (tmp_path / "r" / "junit.xml").read_text()
+
+
+_STUBBORN = textwrap.dedent(
+    """
+    import signal, subprocess, sys, time
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    grandchild = subprocess.Popen([sys.executable, "-c",
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+    open(sys.argv[1], "w").write(f"{grandchild.pid}")
+    time.sleep(600)
+    """
+)
+
+
+def test_a_command_ignoring_sigint_and_sigterm_is_killed_in_bounded_time(tmp_path: Path) -> None:
+    pid_file = tmp_path / "pids"
+    proc = _supervise(
+        [sys.executable, "-c", _STUBBORN, str(pid_file)],
+        tmp_path,
+        "--grace",
+        "1",
+        "--kill-after",
+        "1",
+    )
+    grandchild = int(_wait_for(lambda: pid_file.is_file() and pid_file.read_text()))
+    command = processes.live_children(proc.pid)[0]
+    starts = {pid: processes.start_time(pid) for pid in (command, grandchild)}
+    signalled = time.monotonic()
+    proc.send_signal(signal.SIGHUP)
+    proc.communicate(timeout=60)
+    # grace (1 s) for SIGINT, then SIGTERM for 1 s, then SIGKILL
+    assert time.monotonic() - signalled < 10
+    assert proc.returncode == 128 + signal.SIGHUP
+    assert not any(_alive(pid, started) for pid, started in starts.items())
+    ended = _results(tmp_path)["ended"]
+    assert ended["signal"] == "SIGHUP" and "did not end within 1 s" in ended["detail"]
+
+
+def test_a_killed_command_is_recorded_with_the_test_it_was_in(tmp_path: Path) -> None:
+    out = tmp_path / "r"
+    out.mkdir()
+    # What the results plugin leaves while a test runs.
+    partial = {
+        "cell": {"id": "c"},
+        "exit_status": None,
+        "complete": False,
+        "ended": {"how": "unfinished", "signal": None, "detail": "", "test": "t.py::test_b"},
+        "wall_seconds": 1.0,
+        "outcomes": {"passed": 1, "running": 1},
+        "tests": {
+            "t.py::test_a": {"outcome": "passed", "seconds": 0.1, "phases": {}},
+            "t.py::test_b": {"outcome": "running", "seconds": 0.0, "phases": {}},
+        },
+        "engine_starts": [],
+        "figures": [],
+    }
+    (out / "results.json").write_text(json.dumps(partial))
+    proc = _supervise([sys.executable, "-c", "import time; time.sleep(600)"], tmp_path)
+    command = _wait_for(lambda: processes.live_children(proc.pid))[0]
+    os.kill(command, signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGKILL
+    data = _results(tmp_path)
+    assert data["complete"] is False
+    assert data["ended"]["how"] == "killed" and data["ended"]["signal"] == "SIGKILL"
+    assert data["ended"]["test"] == "t.py::test_b"
+    assert f"pid {command}" in data["ended"]["detail"]
+    assert data["outcomes"] == {"passed": 1, "interrupted": 1}
+    junit = (out / "junit.xml").read_text()  # pytest wrote none: built from results.json
+    assert 'name="test_a"' in junit and 'name="test_b"' in junit
+    assert 'name="glm5-matrix.complete" value="false"' in junit
+
+
+_MIDDLE = textwrap.dedent(
+    """
+    import subprocess, sys, time
+    from glm5_matrix import supervision
+    command = [sys.executable, "-c", sys.argv[2], *sys.argv[3:]]
+    subprocess.Popen(supervision.supervised(command, sys.executable, results_dir=sys.argv[1]))
+    time.sleep(600)
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["runner", "runner's process group"])
+def test_the_supervisor_stops_the_cell_when_the_runner_is_killed_outright(
+    tmp_path: Path, how: str
+) -> None:
+    pid_file, marker = tmp_path / "grandchild.pid", tmp_path / "int"
+    middle = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            _MIDDLE,
+            str(tmp_path / "r"),
+            _ORPHANING,
+            str(pid_file),
+            "600",
+            str(marker),
+        ],
+        env=_env(),
+        start_new_session=True,  # the runner leads a process group, as nox -j's sessions do
+    )
+    grandchild = int(_wait_for(lambda: pid_file.is_file() and pid_file.read_text()))
+    grandchild_started = processes.start_time(grandchild)
+    supervisor = processes.live_children(middle.pid)[0]
+    started = processes.start_time(supervisor)
+    if how == "runner":
+        middle.kill()  # SIGKILL: nothing of the runner runs any more
+    else:
+        os.killpg(middle.pid, signal.SIGKILL)  # and everything still in its group
+    middle.wait()
+    _wait_for(lambda: not _alive(supervisor, started), 60)
+    assert not _alive(grandchild, grandchild_started)
+    assert marker.read_text() == "SIGINT"
+    ended = _results(tmp_path)["ended"]
+    assert ended["how"] == "process-died" and f"runner (pid {middle.pid}) died" in ended["detail"]
+
+
+def test_die_with_parent_takes_the_command_down_with_its_parent(tmp_path: Path) -> None:
+    pid_file = tmp_path / "sleeper.pid"
+    parent_code = textwrap.dedent(
+        """
+        import subprocess, sys, time
+        from glm5_matrix import supervision
+        command = [sys.executable, "-c", "import time; time.sleep(600)"]
+        sleeper = subprocess.Popen(supervision.die_with_parent(command), start_new_session=True)
+        open(sys.argv[1], "w").write(str(sleeper.pid))
+        time.sleep(600)
+        """
+    )
+    command = [b"-c", b"import time; time.sleep(600)"]
+    parent = subprocess.Popen([sys.executable, "-c", parent_code, str(pid_file)], env=_env())
+    sleeper = int(_wait_for(lambda: pid_file.is_file() and pid_file.read_text()))
+    # The small step before the command has exec'd it: the process is the command now.
+    _wait_for(lambda: Path(f"/proc/{sleeper}/cmdline").read_bytes().split(b"\0")[1:3] == command)
+    assert processes.proc_stat(sleeper)[2] == sleeper  # exec kept the pid: it leads its group
+    started = processes.start_time(sleeper)
+    parent.kill()
+    parent.wait()
+    _wait_for(lambda: not _alive(sleeper, started), 10)
+
+
+_FORWARDING = textwrap.dedent(
+    """
+    import subprocess, sys
+    from glm5_matrix import supervision
+    child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]])
+    try:
+        with supervision.stop_on_signals():
+            child.wait()
+    except KeyboardInterrupt as exc:
+        child.wait()
+        print(f"interrupted by {exc}; child exited {child.returncode}", flush=True)
+        sys.exit(130)
+    """
+)
+_SIGNAL_WRITER = textwrap.dedent(
+    """
+    import signal, sys, time
+    def on(signum, frame):
+        open(sys.argv[1], "a").write(signal.Signals(signum).name + "\\n")
+        if signum == signal.SIGTERM:
+            time.sleep(1.0)  # a teardown that takes a moment: a second signal must not cut it
+            sys.exit(3)
+    signal.signal(signal.SIGTERM, on)
+    open(sys.argv[1], "a").write("ready\\n")
+    time.sleep(600)
+    """
+)
+
+
+def test_stop_on_signals_forwards_the_first_signal_and_waits(tmp_path: Path) -> None:
+    seen = tmp_path / "seen"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _FORWARDING, _SIGNAL_WRITER, str(seen)],
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _wait_for(lambda: seen.is_file() and "ready" in seen.read_text())
+    proc.send_signal(signal.SIGTERM)
+    _wait_for(lambda: "SIGTERM" in seen.read_text())
+    proc.send_signal(signal.SIGTERM)  # ignored: the child's teardown is under way
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130
+    assert "interrupted by SIGTERM; child exited 3" in out
+    assert seen.read_text().split() == ["ready", "SIGTERM"]
+    assert "SIGTERM again" in err
+
+
+# --- GPUs --------------------------------------------------------------------------------------
+
+DATA = Path(__file__).parent / "data"
+
+
+def _stub_smi(tmp_path: Path, apps: str) -> dict[str, str]:
+    """A stand-in nvidia-smi first on PATH: the GPU list and the compute apps in `apps`."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    gpus = (DATA / "nvidia-smi-gpus.txt").read_text()
+    script = bin_dir / "nvidia-smi"
+    script.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in\n'
+        f"  --query-gpu=*) cat <<'EOF'\n{gpus}EOF\n;;\n"
+        f"  --query-compute-apps=*) cat {apps};;\n"
+        "esac\n"
+    )
+    script.chmod(0o755)
+    return _env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", CUDA_VISIBLE_DEVICES="1")
+
+
+def test_gpu_cell_refuses_to_start_on_a_held_gpu_in_one_line(tmp_path: Path) -> None:
+    pytest.importorskip("glm5_matrix.gpu_memory")
+    marker = tmp_path / "ran"
+    proc = _supervise(
+        [sys.executable, "-c", f"open({str(marker)!r}, 'w')"],
+        tmp_path,
+        "--gpus",
+        "1",
+        env=_stub_smi(tmp_path, str(DATA / "nvidia-smi-apps-held.txt")),
+    )
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert not marker.exists()  # the command never started
+    lines = [line for line in err.splitlines() if line.startswith("glm5-matrix:")]
+    assert len(lines) == 1, err
+    assert "pid 48213 holds 91204 MiB on GPU 1" in lines[0]
+    assert "GPU 0" not in lines[0]  # another GPU's holder is not this cell's business
+    ended = _results(tmp_path)["ended"]
+    assert ended["how"] == "gpu-held" and "pid 48213" in ended["detail"]
+
+
+def test_gpu_cell_starts_when_its_gpu_is_free(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    proc = _supervise(
+        [sys.executable, "-c", f"open({str(marker)!r}, 'w')"],
+        tmp_path,
+        "--gpus",
+        "1",
+        env=_stub_smi(tmp_path, str(DATA / "nvidia-smi-apps-none.txt")),
+    )
+    proc.communicate(timeout=60)
+    assert marker.exists()
