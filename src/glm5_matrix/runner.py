@@ -2,7 +2,8 @@
 
 The noxfile calls run_variant() from every cell session; this is the one helper behind them.
 Order matters for GPU minutes and for honest skips: the model source and the hardware are
-checked before any environment is built.
+checked before any environment is built. A GPU cell then leases its GPUs (glm5_matrix.leases)
+and holds them until its last process is gone; its processes see only those GPUs.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from glm5_matrix import context as cell_context
-from glm5_matrix import environments, hardware, results, weights
+from glm5_matrix import environments, hardware, leases, results, weights
 from glm5_matrix.errors import UserError
 from glm5_matrix.matrix import MATRIX_FILE, Matrix, Variant, load_matrix
 from glm5_matrix.profiles import load_profile, repo_root
@@ -100,6 +101,38 @@ def run_variant(session: Any, variant: Variant) -> None:
             if hardware.strict(environ):
                 session.error(f"{verdict.reason} ({hardware.STRICT_VARIABLE} is set)")
             session.skip(verdict.reason)
+        lease = take_lease(session, variant, found, environ)
+    except UserError as exc:
+        session.error(str(exc))
+    with lease:
+        _run_leased(session, variant, environ, options, model_source, verdict, lease)
+
+
+def take_lease(
+    session: Any, variant: Variant, found: hardware.Hardware, environ: dict[str, str]
+) -> leases.Lease:
+    """The cell's GPUs. A lease that does not come within the bound skips the cell (with what
+    held the GPUs), like missing hardware, and is an error under GLM5_MATRIX_STRICT."""
+    try:
+        return leases.lease_cell(variant, found, environ, say=session.warn)
+    except leases.LeaseTimeout as exc:
+        results.write_json_atomic(results_dir(variant, environ) / leases.RECORD_FILE, exc.record)
+        if hardware.strict(environ):
+            session.error(f"{exc} ({hardware.STRICT_VARIABLE} is set)")
+        session.skip(str(exc))
+        raise  # not reached: skip() raises
+
+
+def _run_leased(
+    session: Any,
+    variant: Variant,
+    environ: dict[str, str],
+    options: RunOptions,
+    model_source: cell_context.Weights,
+    verdict: hardware.Verdict,
+    lease: leases.Lease,
+) -> None:
+    try:
         env = environments.load_envs(repo_root())[variant.env]
         override = environments.resolve_vllm_override(options.vllm, env)
         built = environments.build(
@@ -111,18 +144,23 @@ def run_variant(session: Any, variant: Variant) -> None:
     except UserError as exc:
         session.error(str(exc))
     session.log(f"hardware: {verdict.reason}")
+    session.log(f"lease: {lease.describe()}")
     session.log(f"weights: {model_source.describe()}")
     session.log(f"environment {variant.env}: {built.describe()}")
 
     out = results_dir(variant, environ)
     out.mkdir(parents=True, exist_ok=True)
+    if lease.gpus:
+        results.write_json_atomic(out / leases.RECORD_FILE, lease.record())
     ctx = cell_context.for_variant(
         variant,
         weights=model_source,
         results_dir=str(out),
         vllm=override.spec if override else None,
     )
-    ctx = replace(ctx, environment={**built.environment, **variant.cell.environment})
+    ctx = replace(
+        ctx, environment={**built.environment, **variant.cell.environment, **lease.environment()}
+    )
     context_file = out / "context.json"
     results.write_json_atomic(context_file, asdict(ctx))
 
