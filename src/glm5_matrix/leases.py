@@ -310,7 +310,8 @@ def _acquire(
 
 
 def waiting_line(count: int, devices: Sequence[int], busy: dict[int, Holder | None]) -> str:
-    """ "waiting for GPU 0: held by e2e-tp1(deep_gemm) pid 1234 since 2026-12-01 12:03:04"."""
+    """What a waiting cell says, e.g.
+    `waiting for GPU 0: held by e2e-tp1(deep_gemm) pid 1234 since 2026-12-01 12:03:04`."""
     by_holder: dict[str, list[int]] = {}
     for gpu in sorted(busy):
         holder = busy[gpu]
