@@ -190,8 +190,11 @@ HOLDER = textwrap.dedent(
     from glm5_matrix import leases
     lock_dir, cell, out = sys.argv[1], sys.argv[2], sys.argv[3]
     said = []
+    def say(line):
+        said.append(line)
+        print("said", line, flush=True)
     lease = leases.acquire(cell, 1, (0,), lock_dir=Path(lock_dir), timeout_s=60, poll_s=0.05,
-                           say=said.append)
+                           say=say)
     start = time.time()
     print("held", flush=True)
     sys.stdin.readline()  # hold until told (or killed)
@@ -263,14 +266,15 @@ def test_a_holder_that_dies_leaves_no_lease(tmp_path):
 
 
 def run_two(lock_a: Path, lock_b: Path, tmp_path: Path) -> tuple[dict, dict]:
-    """cell-a leases GPU 0; then cell-b asks for it while cell-a holds it, and cell-a lets go
-    half a second later."""
+    """cell-a leases GPU 0; then cell-b asks for it while cell-a holds it (sharing the folder,
+    it says it waits), and cell-a lets go."""
     out_a, out_b = tmp_path / "a.json", tmp_path / "b.json"
     a = holder(lock_a, "cell-a", out_a)
     wait_held(a)
     b = holder(lock_b, "cell-b", out_b)
-    time.sleep(0.5)
+    assert b.stdout is not None
     if lock_a == lock_b:
+        assert b.stdout.readline().startswith("said waiting for GPU 0")
         let_go(a)
         wait_held(b)
     else:
@@ -317,7 +321,7 @@ CELL_SCRIPT = textwrap.dedent(
                 sys.exit(f"{other} never ran beside {name}")
             time.sleep(0.05)
     else:
-        time.sleep(2)
+        time.sleep(5)  # long enough for the other cell to be waiting meanwhile
     (out / f"{name}.json").write_text(json.dumps({
         "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "CUDA_DEVICE_ORDER": os.environ.get("CUDA_DEVICE_ORDER"),
