@@ -19,7 +19,14 @@ and every few minutes. The cell's processes then see exactly its devices:
 CUDA_VISIBLE_DEVICES lists them, and CUDA_DEVICE_ORDER=PCI_BUS_ID makes CUDA number GPUs as
 nvidia-smi (and these locks) do.
 
-No reservation: a cell that needs many GPUs waits until enough are free at the same time.
+The lock is held by the cell's nox process (its children do not inherit the file: subprocesses
+close it), and the runner lets go once the last process of the cell has ended. A nox process
+killed alone (SIGKILL to its pid only) drops the lease while children it left may still run;
+nox -j stops a session's whole process group, and Ctrl-C reaches the foreground group.
+
+A lease that does not come within the bound is a LeaseTimeout: the runner skips the cell, or
+fails it under GLM5_MATRIX_STRICT. No reservation: a cell that needs many GPUs waits until enough
+are free at the same time.
 """
 
 from __future__ import annotations
