@@ -9,6 +9,10 @@ environment is built; the runner then builds the cell's own uv venv.
     nox -s e2e-cpu               # a cell;  nox -s "e2e-tp1(deep_gemm)"  one of its variants
     nox -t kv-simple             # cells by tag
     nox -s e2e-tp1 -- --model /ckpt/GLM-5.3-Flash-4L --vllm 0.33.1 -k layout
+    nox -t gpu -j 8              # cells side by side, each on its own leased GPUs
+
+Every cell allows nox's parallel mode (-j): a GPU cell leases its GPUs before it builds
+anything (glm5_matrix.leases), so parallel cells never share one. plan, lock and bench run alone.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ def _register(cell: Cell) -> None:
             runner.run_variant(session, MATRIX.variant(cell.name))
 
         session.__doc__ = cell.description
-        nox.session(name=cell.name, tags=cell.variants[0].tags)(session)
+        nox.session(name=cell.name, tags=cell.variants[0].tags, allow_parallel=True)(session)
         return
 
     axis_name = cell.axis.name
@@ -54,7 +58,9 @@ def _register(cell: Cell) -> None:
 
     parametrized.__doc__ = cell.description
     params = [nox.param(v.value, id=v.value, tags=v.tags) for v in cell.variants]
-    nox.session(name=cell.name)(nox.parametrize(axis_name, params)(parametrized))
+    nox.session(name=cell.name, allow_parallel=True)(
+        nox.parametrize(axis_name, params)(parametrized)
+    )
 
 
 for _cell in MATRIX.cells:

@@ -4,7 +4,9 @@ The noxfile calls run_variant() from every cell session; this is the one helper 
 Order matters for GPU minutes and for honest skips: the model source (and a named drafter) and
 the hardware are checked before any environment is built. The cell's results folder is emptied
 before it starts, and its commands run under glm5_matrix.supervision, which stops everything they
-start whatever ends the cell and records how the run ended.
+start whatever ends the cell and records how the run ended. A GPU cell leases its GPUs
+(glm5_matrix.leases) before its environment is built and holds them until its last process is
+gone; its processes see only those GPUs.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from glm5_matrix import context as cell_context
-from glm5_matrix import drafters, environments, hardware, results, supervision, weights
+from glm5_matrix import drafters, environments, hardware, leases, results, supervision, weights
 from glm5_matrix.errors import UserError
 from glm5_matrix.matrix import MATRIX_FILE, Matrix, Variant, load_matrix
 from glm5_matrix.profiles import load_profile, repo_root
@@ -122,6 +124,40 @@ def _run_variant(session: Any, variant: Variant) -> None:
             if hardware.strict(environ):
                 session.error(f"{verdict.reason} ({hardware.STRICT_VARIABLE} is set)")
             session.skip(verdict.reason)
+        lease = take_lease(session, variant, found, environ)
+    except UserError as exc:
+        session.error(str(exc))
+    with lease:
+        _run_leased(session, variant, environ, options, model_source, verdict, lease)
+
+
+def take_lease(
+    session: Any, variant: Variant, found: hardware.Hardware, environ: dict[str, str]
+) -> leases.Lease:
+    """The cell's GPUs. A lease that does not come within the bound skips the cell (with what
+    held the GPUs), like missing hardware, and is an error under GLM5_MATRIX_STRICT."""
+    try:
+        return leases.lease_cell(variant, found, environ, say=session.warn)
+    except leases.LeaseTimeout as exc:
+        out = results_dir(variant, environ)
+        empty_results_dir(out)
+        results.write_json_atomic(out / leases.RECORD_FILE, exc.record)
+        if hardware.strict(environ):
+            session.error(f"{exc} ({hardware.STRICT_VARIABLE} is set)")
+        session.skip(str(exc))
+        raise  # not reached: skip() raises
+
+
+def _run_leased(
+    session: Any,
+    variant: Variant,
+    environ: dict[str, str],
+    options: RunOptions,
+    model_source: cell_context.Weights,
+    verdict: hardware.Verdict,
+    lease: leases.Lease,
+) -> None:
+    try:
         out = results_dir(variant, environ)
         empty_results_dir(out)
         env = environments.load_envs(repo_root())[variant.env]
@@ -135,16 +171,21 @@ def _run_variant(session: Any, variant: Variant) -> None:
     except UserError as exc:
         session.error(str(exc))
     session.log(f"hardware: {verdict.reason}")
+    session.log(f"lease: {lease.describe()}")
     session.log(f"weights: {model_source.describe()}")
     session.log(f"environment {variant.env}: {built.describe()}")
 
+    if lease.gpus:
+        results.write_json_atomic(out / leases.RECORD_FILE, lease.record())
     ctx = cell_context.for_variant(
         variant,
         weights=model_source,
         results_dir=str(out),
         vllm=override.spec if override else None,
     )
-    ctx = replace(ctx, environment={**built.environment, **variant.cell.environment})
+    ctx = replace(
+        ctx, environment={**built.environment, **variant.cell.environment, **lease.environment()}
+    )
     context_file = out / "context.json"
     results.write_json_atomic(context_file, asdict(ctx))
 

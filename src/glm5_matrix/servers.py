@@ -102,6 +102,24 @@ def engine_cli_args(engine: Mapping[str, Any]) -> list[str]:
     return args
 
 
+def cell_devices(positions: str, visible: str | None) -> str:
+    """A server's CUDA_VISIBLE_DEVICES given as positions among the cell's GPUs: "1" is the
+    second of the devices the cell was leased (its CUDA_VISIBLE_DEVICES, "4,5" -> "5"), so
+    servers stay on the cell's GPUs whichever they are. Without a cell value (a suite run by
+    hand) the positions are the devices."""
+    wanted = [part.strip() for part in positions.split(",") if part.strip()]
+    if visible is None:
+        return ",".join(wanted)
+    devices = [part.strip() for part in visible.split(",") if part.strip()]
+    try:
+        return ",".join(devices[int(position)] for position in wanted)
+    except (ValueError, IndexError):
+        raise ServerError(
+            f"CUDA_VISIBLE_DEVICES={positions!r} counts among the cell's GPUs, "
+            f"and the cell has {visible!r}"
+        ) from None
+
+
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     try:
         text = path.read_text(errors="replace")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import sys
 from collections.abc import Iterator
@@ -85,11 +86,15 @@ def _server(
     pd: dict[str, Any],
     log_dir: Path,
 ) -> servers.VllmServer:
+    role = _strings(pd.get(role_env, {}))
+    if "CUDA_VISIBLE_DEVICES" in role:  # positions among the cell's (leased) GPUs
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        role["CUDA_VISIBLE_DEVICES"] = servers.cell_devices(role["CUDA_VISIBLE_DEVICES"], visible)
     return servers.VllmServer(
         label,
         model,
         args,
-        env={**env, **_strings(pd.get("environment", {})), **_strings(pd.get(role_env, {}))},
+        env={**env, **_strings(pd.get("environment", {})), **role},
         log_dir=log_dir,
         python=sys.executable,  # the cell environment's interpreter
         startup_timeout=float(pd["startup_timeout_s"]),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import textwrap
@@ -154,6 +155,31 @@ def test_build_reuses_an_unchanged_env_and_rebuilds_a_changed_one(tmp_path):
     path.write_text('description = "d2"\nrequirements = ["iniconfig"]\n')
     third = environments.build(environments.load_env(path), venv, environ={})
     assert not third.reused
+
+
+@pytest.mark.skipif(shutil.which("uv") is None, reason="uv is not installed")
+def test_two_cells_of_one_definition_build_at_once(tmp_path):
+    """What `nox -j` does with cells of one environment (layout and metadata on cuda): two
+    venvs built at the same time from one definition, through one uv cache that both fill
+    (a fresh one, so neither finds the packages already there). uv locks its cache."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    path = _env_file(tmp_path, 'description = "d"\nrequirements = ["iniconfig", "pluggy"]\n')
+    env = environments.load_env(path)
+    uv_env = {**os.environ, "UV_CACHE_DIR": str(tmp_path / "uv-cache")}
+
+    def run(command: list[str]) -> None:
+        subprocess.run(command, check=True, env=uv_env, capture_output=True)
+
+    def build(name: str) -> environments.BuiltEnv:
+        return environments.build(env, tmp_path / name, run=run, environ={})
+
+    with ThreadPoolExecutor(2) as pool:
+        built = list(pool.map(build, ["cell-a", "cell-b"]))
+    for one in built:
+        assert not one.reused
+        subprocess.run([str(one.python), "-c", "import iniconfig, pluggy"], check=True)
+    assert built[0].venv != built[1].venv
 
 
 def test_given_interpreter_builds_nothing(envs, tmp_path):

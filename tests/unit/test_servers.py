@@ -328,3 +328,22 @@ def test_running_stops_every_server_when_one_fails(tmp_path: Path) -> None:
         pytest.fail("the block must not run when a server failed to start")
     assert good.proc is not None and good.proc.poll() is not None
     assert good.group_members_left() == []
+
+
+@pytest.mark.parametrize(
+    ("positions", "visible", "devices"),
+    [
+        ("0", "4,5", "4"),
+        ("1", "4,5", "5"),  # pd-nixl's decoder on the cell's second GPU, whichever it is
+        ("1,0", "6, 2", "2,6"),
+        ("1", None, "1"),  # run by hand: positions are the devices
+    ],
+)
+def test_server_devices_count_among_the_cells(positions, visible, devices):
+    assert servers.cell_devices(positions, visible) == devices
+
+
+@pytest.mark.parametrize(("positions", "visible"), [("2", "4,5"), ("x", "4,5"), ("0", "")])
+def test_server_devices_outside_the_cell_are_an_error(positions, visible):
+    with pytest.raises(servers.ServerError, match="counts among the cell's GPUs"):
+        servers.cell_devices(positions, visible)
