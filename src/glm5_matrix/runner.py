@@ -88,6 +88,16 @@ def venv_dir(variant: Variant, environ: dict[str, str]) -> Path:
     return base / variant.slug
 
 
+def _record_skip(
+    variant: Variant, weights: cell_context.Weights, environ: dict[str, str], reason: str
+) -> None:
+    """A preflight skip leaves results.json with the reason (before anything is built)."""
+    out = results_dir(variant, environ)
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = cell_context.for_variant(variant, weights=weights, results_dir=str(out))
+    results.write_skip(out, asdict(ctx), reason)
+
+
 def run_variant(session: Any, variant: Variant) -> None:
     """Everything a cell session does. `session` is a nox.Session."""
     environ = dict(os.environ)
@@ -99,6 +109,7 @@ def run_variant(session: Any, variant: Variant) -> None:
         if not verdict.runnable:
             if hardware.strict(environ):
                 session.error(f"{verdict.reason} ({hardware.STRICT_VARIABLE} is set)")
+            _record_skip(variant, model_source, environ, verdict.reason)
             session.skip(verdict.reason)
         env = environments.load_envs(repo_root())[variant.env]
         override = environments.resolve_vllm_override(options.vllm, env)
@@ -142,12 +153,16 @@ def run_variant(session: Any, variant: Variant) -> None:
 
     cell = variant.cell
     if cell.commands:
+        recorded = results.CommandResults(out, asdict(ctx))
         for program, *arguments in cell.commands:
             # The cell's own tools: looked up on the cell's PATH, not on nox's.
             executable = shutil.which(program, path=run_env.get("PATH"))
             if executable is None:
                 session.error(f"{program} is not installed in the {variant.env} environment")
-            session.run(executable, *arguments, env=run_env, external=True)
+            with recorded.command([program, *arguments]):
+                session.run(executable, *arguments, env=run_env, external=True)
+        recorded.write()
+        session.log(f"{variant.id}: {results.summarize(out)}")
         return
     pytest = [
         str(built.python),
