@@ -15,6 +15,7 @@ _COMMAND_MODULES = (
     "glm5_matrix.layout",
     "glm5_matrix.guards",
     "glm5_matrix.report",
+    "glm5_matrix.pipelines",
 )
 
 
