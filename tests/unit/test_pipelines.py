@@ -193,3 +193,36 @@ def test_github_matrix_keeps_only_the_cells_a_vllm_change_affects(tmp_path):
     )
     assert json.loads(nothing.stdout) == {"include": []}
     assert output.read_text().splitlines()[-1] == "any=false"  # the cell job is skipped, not broken
+
+
+def test_nox_session_writes_the_pipeline(tmp_path):
+    """`nox -s pipeline -- github --output FILE` for real: the tool runs in the harness env."""
+    path = tmp_path / "workflow.yml"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nox",
+            "-f",
+            str(ROOT / "noxfile.py"),
+            "-s",
+            "pipeline",
+            "--",
+            "github",
+            "--output",
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={k: v for k, v in os.environ.items() if not k.startswith("GLM5_")},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert check_jsonschema("github", path).returncode == 0
+    refused = subprocess.run(
+        [sys.executable, "-m", "nox", "-f", str(ROOT / "noxfile.py"), "-s", "pipeline"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode != 0 and "say which" in refused.stderr

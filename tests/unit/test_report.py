@@ -192,3 +192,30 @@ def test_an_unreadable_results_json_is_interrupted_not_a_crash(tmp_path):
     (folder / "results.json").write_text('{"cell": ')
     built = report.collect(results_tree.matrix(), tmp_path)
     assert _cell(built, "unit").label.startswith("interrupted: results.json unreadable")
+
+
+def test_nox_session_builds_the_report(tree, tmp_path):
+    """`nox -s report -- RESULTS --output DIR` for real: the tool runs in the harness env."""
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nox",
+            "-f",
+            str(ROOT / "noxfile.py"),
+            "-s",
+            "report",
+            "--",
+            str(tree),
+            "--output",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={k: v for k, v in os.environ.items() if not k.startswith("GLM5_")},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "17 cells: 2 passed, 2 failed" in result.stdout
+    assert sorted(p.name for p in out.iterdir()) == sorted(report.FILES)
