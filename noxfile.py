@@ -10,6 +10,8 @@ environment is built; the runner then builds the cell's own uv venv.
     nox -t kv-simple             # cells by tag
     nox -s e2e-tp1 -- --model /ckpt/GLM-5.3-Flash-4L --vllm 0.33.1 -k layout
     nox -t gpu -j 8              # cells side by side, each on its own leased GPUs
+    nox -s report                # the matrix report from results/ (results/report/)
+    nox -s pipeline -- buildkite # a CI pipeline from the matrix (or -- github)
 
 Every cell allows nox's parallel mode (-j): a GPU cell leases its GPUs before it builds
 anything (glm5_matrix.leases), so parallel cells never share one. plan, lock and bench run alone.
@@ -24,7 +26,7 @@ import nox
 
 sys.path.insert(0, str(Path(__file__).parent / "src"))
 
-from glm5_matrix import environments, hardware, runner
+from glm5_matrix import environments, hardware, runner, tools
 from glm5_matrix.errors import UserError
 from glm5_matrix.matrix import Cell, Matrix
 
@@ -93,3 +95,20 @@ def lock(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmarks: `nox -l` time, cold vs warm environment builds (-- --help for options)."""
     session.run(sys.executable, "benchmarks/matrix_timings.py", *session.posargs, external=True)
+
+
+# --- the harness's tools: they read results and matrix data, and run in the harness env ----------
+
+
+@nox.session(tags=["meta"])
+def report(session: nox.Session) -> None:
+    """The matrix report from results/: report.md, report.html, junit.xml (-- --help)."""
+    tools.run(session, ["report", *session.posargs])
+
+
+@nox.session(tags=["meta"])
+def pipeline(session: nox.Session) -> None:
+    """A CI pipeline generated from matrix.toml: -- buildkite, or -- github [--output FILE]."""
+    if not session.posargs:
+        session.error("say which: nox -s pipeline -- buildkite (or github) [--output FILE]")
+    tools.run(session, ["pipeline", *session.posargs])

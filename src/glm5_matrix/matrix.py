@@ -2,7 +2,8 @@
 
 A cell is one named nox session; its optional axis (MoE backend, KV connector, environment)
 turns it into one parametrized session per value. Everything a session needs is here as data;
-the noxfile only registers what this module returns.
+the noxfile only registers what this module returns. So are what a CI system needs to schedule
+it (its timeout) and the vLLM source paths it guards (a change there should run it).
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ MATRIX_FILE = "matrix.toml"
 SUITES = ("e2e", "offload", "pd", "dflash", "layout", "metadata", "unit", "lint", "faults")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 _VALUE = re.compile(r"^[A-Za-z0-9_.-]+$")
+# A vLLM source path, relative to the root of vLLM's repository: a file, or a folder ending in /.
+_GUARD = re.compile(r"^vllm/(?:[A-Za-z0-9_.-]+/)*[A-Za-z0-9_.-]*$")
+# A cell that gives no timeout gets this one (minutes): what a CI step is allowed.
+DEFAULT_TIMEOUT_MINUTES = 60
 _CELL_FIELDS = {
     "description": str,
     "suite": str,
@@ -31,6 +36,10 @@ _CELL_FIELDS = {
     "settings": dict,
     "environment": dict,
     "axis": dict,
+    "timeout_minutes": int,
+    "guard_sets": list,
+    "guards": list,
+    "axis_guards": dict,
 }
 _AXIS_FIELDS = {"name": str, "values": list, "tag_prefix": str}
 
@@ -83,6 +92,12 @@ class Variant:
             tags.append(f"{self.cell.axis.tag_prefix}-{self.value}")
         return sorted(set(tags))
 
+    @property
+    def guards(self) -> tuple[str, ...]:
+        """The vLLM source paths this variant guards: the cell's, then its axis value's."""
+        extra = self.cell.axis_guards.get(self.value, ()) if self.value is not None else ()
+        return (*self.cell.guards, *extra)
+
 
 @dataclass(frozen=True)
 class Cell:
@@ -99,6 +114,10 @@ class Cell:
     settings: dict[str, Any] = field(default_factory=dict)
     environment: dict[str, str] = field(default_factory=dict)
     axis: Axis | None = None
+    timeout_minutes: int = DEFAULT_TIMEOUT_MINUTES
+    # vLLM paths, "vllm/v1/core/" (a folder) or a file: its guard sets' and its own.
+    guards: tuple[str, ...] = ()
+    axis_guards: dict[str, tuple[str, ...]] = field(default_factory=dict)  # per axis value
 
     @property
     def base_tags(self) -> list[str]:
@@ -156,17 +175,31 @@ def parse_compute_capability(text: str) -> tuple[int, int]:
 def load_matrix(path: Path, known_envs: set[str] | None = None) -> Matrix:
     """Read and validate matrix.toml; any defect is a UserError naming the file and the field."""
     data = load_toml(path, "matrix file")
-    unknown_top = set(data) - {"cells"}
+    unknown_top = set(data) - {"cells", "guard_sets"}
     if unknown_top:
         raise UserError(f"{path}: unknown top-level key {sorted(unknown_top)[0]!r}")
     raw_cells = data.get("cells")
     if not isinstance(raw_cells, dict) or not raw_cells:
         raise UserError(f"{path}: no [cells.NAME] tables")
-    cells = tuple(_parse_cell(path, name, raw, known_envs) for name, raw in raw_cells.items())
+    raw_sets = data.get("guard_sets", {})
+    if not isinstance(raw_sets, dict):
+        raise UserError(f"{path}: guard_sets: expected a table of path lists")
+    guard_sets = {
+        name: _guards(f"{path}: guard_sets.{name}", paths) for name, paths in raw_sets.items()
+    }
+    cells = tuple(
+        _parse_cell(path, name, raw, known_envs, guard_sets) for name, raw in raw_cells.items()
+    )
     return Matrix(cells=cells, source=path)
 
 
-def _parse_cell(path: Path, name: str, raw: Any, known_envs: set[str] | None) -> Cell:
+def _parse_cell(
+    path: Path,
+    name: str,
+    raw: Any,
+    known_envs: set[str] | None,
+    guard_sets: dict[str, tuple[str, ...]],
+) -> Cell:
     where = f"{path}: cells.{name}"
     if not _NAME.match(name):
         raise UserError(f"{where}: cell names are lower-case letters, digits and '-'")
@@ -213,6 +246,25 @@ def _parse_cell(path: Path, name: str, raw: Any, known_envs: set[str] | None) ->
     axis = _parse_axis(f"{where}.axis", raw["axis"]) if "axis" in raw else None
     env = raw.get("env")
     envs_used = list(axis.values) if axis is not None and axis.name == "env" else [env]
+    timeout = raw.get("timeout_minutes", DEFAULT_TIMEOUT_MINUTES)
+    if timeout < 1:
+        raise UserError(f"{where}.timeout_minutes: must be >= 1, got {timeout}")
+    guards: list[str] = []
+    for set_name in (
+        _strings(f"{where}.guard_sets", raw["guard_sets"]) if "guard_sets" in raw else []
+    ):
+        if set_name not in guard_sets:
+            known = ", ".join(sorted(guard_sets)) or "none"
+            raise UserError(f"{where}.guard_sets: no [guard_sets] {set_name!r} (known: {known})")
+        guards += guard_sets[set_name]
+    if "guards" in raw:
+        guards += _guards(f"{where}.guards", raw["guards"])
+    axis_guards: dict[str, tuple[str, ...]] = {}
+    for value, paths in raw.get("axis_guards", {}).items():
+        if axis is None or value not in axis.values:
+            known = ", ".join(axis.values) if axis is not None else "the cell has no axis"
+            raise UserError(f"{where}.axis_guards.{value}: not an axis value ({known})")
+        axis_guards[value] = _guards(f"{where}.axis_guards.{value}", paths)
     if env is not None and axis is not None and axis.name == "env":
         raise UserError(f"{where}.env: set both as a field and as the axis")
     for env_name in envs_used:
@@ -237,6 +289,9 @@ def _parse_cell(path: Path, name: str, raw: Any, known_envs: set[str] | None) ->
         settings=dict(raw.get("settings", {})),
         environment=dict(environment),
         axis=axis,
+        timeout_minutes=timeout,
+        guards=tuple(dict.fromkeys(guards)),
+        axis_guards=axis_guards,
     )
 
 
@@ -257,6 +312,19 @@ def _parse_axis(where: str, raw: dict[str, Any]) -> Axis:
         if not _VALUE.match(value):
             raise UserError(f"{where}.values: {value!r} may hold only letters, digits, _ . -")
     return Axis(name=raw["name"], values=values, tag_prefix=raw["tag_prefix"])
+
+
+def _guards(where: str, value: Any) -> tuple[str, ...]:
+    paths = _strings(where, value)
+    for path in paths:
+        if not _GUARD.match(path) or "/../" in f"/{path}" or "/./" in f"/{path}":
+            raise UserError(
+                f"{where}: {path!r} is not a vLLM source path (vllm/..., a file, or a folder "
+                "ending in /; no globs)"
+            )
+    if len(set(paths)) != len(paths):
+        raise UserError(f"{where}: a path is listed twice")
+    return tuple(paths)
 
 
 def _strings(where: str, value: Any) -> list[str]:

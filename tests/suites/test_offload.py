@@ -103,6 +103,7 @@ def test_offload_round_trip(engine: Engine, profile: Profile, plan: LayoutPlan) 
     hits = int(warm.cached_tokens or 0)
     print(f"stores done after {waited:.1f} s; warm run: {hits} prompt tokens from the CPU side")
     record_figure("offload.cpu_hit_tokens", hits, unit="tokens")
+    record_figure("offload.store_wait", round(waited, 2), unit="s")
     assert hits > 0, "the warm run got nothing back from the CPU side"
     # Only whole blocks of prefix-cacheable groups come back (never the tail ring's slots).
     assert hits % block == 0 and hits <= length, f"{hits} hit tokens at block {block}"

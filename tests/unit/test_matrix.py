@@ -128,6 +128,17 @@ tests = ["tests/suites/test_e2e.py"]
         (lambda s: s + "axis = { name = 'moe', values = ['a'] }\n", r"axis\.tag_prefix: missing"),
         (lambda s: s + "commands = [['ruff']]\n", r"exactly one of tests or commands"),
         (lambda s: s + "[", r"not valid TOML"),
+        (lambda s: s + "timeout_minutes = 0\n", r"cells\.x\.timeout_minutes: must be >= 1"),
+        (lambda s: s + "timeout_minutes = '1h'\n", r"cells\.x\.timeout_minutes: expected int"),
+        (lambda s: s + "guards = ['csrc/moe/']\n", r"cells\.x\.guards: 'csrc/moe/' is not a vLLM"),
+        (lambda s: s + "guards = ['vllm/v1/**']\n", r"cells\.x\.guards: 'vllm/v1/\*\*'"),
+        (lambda s: s + "guards = ['vllm/../etc/']\n", r"is not a vLLM source path"),
+        (lambda s: s + "guards = ['vllm/a.py', 'vllm/a.py']\n", r"listed twice"),
+        (
+            lambda s: s + "guard_sets = ['nope']\n",
+            r"cells\.x\.guard_sets: no \[guard_sets\] 'nope'",
+        ),
+        (lambda s: s + "axis_guards.a = ['vllm/a.py']\n", r"axis_guards\.a: not an axis value"),
     ],
 )
 def test_malformed_matrix_names_file_and_field(tmp_path, edit, message):
@@ -162,3 +173,46 @@ def test_adding_a_cell_is_a_data_edit(tmp_path):
     assert {"gpus-8", "tp-8", "moe-deep_gemm", "sm90"} <= set(
         matrix.variant("e2e-tp8(deep_gemm)").tags
     )
+
+
+def test_timeouts_and_guards_come_from_the_data(matrix):
+    assert matrix.cell("e2e-tp1").timeout_minutes == 90
+    assert all(cell.timeout_minutes >= 1 for cell in matrix.cells)
+    # The seed's lesson (#59536): the pruned-model cells guard the hybrid machinery too.
+    e2e = matrix.variant("e2e-tp1(deep_gemm)").guards
+    for path in (
+        "vllm/models/glm5next/",
+        "vllm/v1/attention/backends/gdn_attn.py",
+        "vllm/model_executor/layers/mamba/",
+        "vllm/v1/worker/gpu/",
+        "vllm/v1/core/",
+    ):
+        assert path in e2e, path
+    # An axis value adds its own: only the simple connector guards simple_kv_offload.
+    assert "vllm/v1/simple_kv_offload/" in matrix.variant("offload-tp1(simple)").guards
+    assert "vllm/v1/simple_kv_offload/" not in matrix.variant("offload-tp1(offloading)").guards
+    assert matrix.variant("unit").guards == ()
+
+
+def test_guard_sets_expand_in_order_without_repeats(tmp_path):
+    text = textwrap.dedent(
+        """
+        [guard_sets]
+        a = ["vllm/x/", "vllm/y.py"]
+        b = ["vllm/y.py", "vllm/z.py"]
+
+        [cells.x]
+        description = "d"
+        suite = "e2e"
+        env = "cpu"
+        tests = ["t"]
+        guard_sets = ["a", "b"]
+        guards = ["vllm/own.py"]
+        axis = { name = "k", values = ["p", "q"], tag_prefix = "k" }
+        axis_guards.q = ["vllm/q.py"]
+        """
+    )
+    matrix = load_matrix(_write(tmp_path, text), known_envs=ENVS)
+    assert matrix.cell("x").timeout_minutes == 60  # the default
+    assert matrix.variant("x(p)").guards == ("vllm/x/", "vllm/y.py", "vllm/z.py", "vllm/own.py")
+    assert matrix.variant("x(q)").guards[-1] == "vllm/q.py"

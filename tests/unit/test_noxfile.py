@@ -21,8 +21,21 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+_RESULTS: list[Path] = []
+
+
+@pytest.fixture(autouse=True)
+def _results_elsewhere(tmp_path: Path):
+    """Cells the tests run write their results (a preflight skip's too) into a temporary folder,
+    never into the checkout's results/, which the report of a real run reads."""
+    _RESULTS.append(tmp_path / "results")
+    yield
+    _RESULTS.pop()
+
+
 def nox(*args: str, root: Path = ROOT, **env: str) -> subprocess.CompletedProcess[str]:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("GLM5_")}
+    environ["GLM5_MATRIX_RESULTS"] = str(_RESULTS[-1])
     environ.update(env)
     return subprocess.run(
         [sys.executable, "-m", "nox", "-f", str(root / "noxfile.py"), *args],
@@ -59,6 +72,10 @@ def test_gpu_cell_without_gpu_skips_with_reason():
     for backend in ("deep_gemm", "flashinfer"):
         assert f"Session e2e-tp1({backend}) skipped: e2e-tp1 needs 1 GPU(s)" in result.stderr
     assert "found no GPU (GLM5_MATRIX_GPUS='')" in result.stderr
+    # The skip is recorded, so that a report says why rather than "not run".
+    record = json.loads((_RESULTS[-1] / "e2e-tp1-flashinfer" / "results.json").read_text())
+    assert record["skipped"].startswith("e2e-tp1 needs 1 GPU(s) with compute capability >= 9.0")
+    assert record["cell"]["id"] == "e2e-tp1(flashinfer)" and record["tests"] == {}
 
 
 def test_strict_mode_fails_without_the_hardware():

@@ -29,6 +29,10 @@ def test_fails():
 
 def test_skips():
     pytest.skip("no GPU here")
+
+@pytest.mark.xfail(reason="known upstream", strict=True)
+def test_known():
+    assert False
 """
 
 
@@ -58,9 +62,9 @@ def test_results_json_holds_outcomes_starts_and_figures(
     monkeypatch.setattr(results, "_STATE", results._State())
     pytester.makepyfile(test_cell=SUITE)
     run = pytester.runpytest("-p", "glm5_matrix.results")
-    run.assert_outcomes(passed=1, failed=1, skipped=1)
+    run.assert_outcomes(passed=1, failed=1, skipped=1, xfailed=1)
     data = json.loads((tmp_path / "results" / results.RESULTS_FILE).read_text())
-    assert data["outcomes"] == {"passed": 1, "failed": 1, "skipped": 1}
+    assert data["outcomes"] == {"passed": 1, "failed": 1, "skipped": 1, "xfailed": 1}
     assert data["exit_status"] == 1
     assert data["complete"] is True and data["ended"]["how"] == "finished"
     (start,) = data["engine_starts"]
@@ -77,6 +81,11 @@ def test_results_json_holds_outcomes_starts_and_figures(
     assert by_name["repeat.delta"]["relation"] == "<="
     skipped = data["tests"]["test_cell.py::test_skips"]
     assert skipped["outcome"] == "skipped" and "no GPU here" in skipped["reason"]
+    # A failure carries its first message line (the report shows it; junit.xml has the rest).
+    failed = data["tests"]["test_cell.py::test_fails"]
+    assert failed["message"] == "AssertionError: planted"
+    assert "message" not in data["tests"]["test_cell.py::test_measures"]
+    assert data["tests"]["test_cell.py::test_known"]["reason"] == "known upstream"
     assert "1 failed, 1 passed, 1 skipped" in results.summarize(tmp_path / "results")
 
 
@@ -193,3 +202,49 @@ def test_a_run_that_recorded_nothing_says_so(tmp_path: Path) -> None:
 def test_an_ending_must_be_known() -> None:
     with pytest.raises(ValueError, match="ending"):
         results.ending("vanished", "?")
+
+
+def test_first_line() -> None:
+    assert results.first_line("\n  AssertionError: x\nmore") == "AssertionError: x"
+    assert results.first_line("") == ""
+    assert len(results.first_line("y" * 1000)) == 300
+
+
+def _ctx() -> dict:
+    return {"id": "lint", "slug": "lint", "cell": "lint"}
+
+
+def test_a_preflight_skip_is_recorded_and_clears_the_old_run(tmp_path: Path) -> None:
+    (tmp_path / "junit.xml").write_text("<testsuites/>")  # an earlier run's
+    (tmp_path / results.RESULTS_FILE).write_text("{}")
+    results.write_skip(tmp_path, _ctx(), "e2e-tp2 needs 2 GPU(s); found no GPU")
+    assert not (tmp_path / "junit.xml").exists()
+    data = json.loads((tmp_path / results.RESULTS_FILE).read_text())
+    assert data["skipped"] == "e2e-tp2 needs 2 GPU(s); found no GPU"
+    for key in ("cell", "exit_status", "wall_seconds", "outcomes", "tests", "engine_starts"):
+        assert key in data, key
+    assert data["tests"] == {} and data["figures"] == []
+
+
+class CommandFailed(Exception):
+    """Stands for nox.command.CommandFailed (an Exception with the reason as its text)."""
+
+
+def test_command_cell_records_each_command(tmp_path: Path) -> None:
+    recorded = results.CommandResults(tmp_path, _ctx())
+    with recorded.command(["ruff", "check", "."]):
+        pass
+    with pytest.raises(CommandFailed), recorded.command(["mypy"]):
+        raise CommandFailed("Returned code 1")
+    data = json.loads((tmp_path / results.RESULTS_FILE).read_text())
+    assert data["exit_status"] == 1
+    assert data["outcomes"] == {"passed": 1, "failed": 1}
+    assert data["tests"]["command: mypy"]["message"] == "Returned code 1"
+    assert data["tests"]["command: ruff check ."]["outcome"] == "passed"
+
+
+def test_an_interrupted_command_cell_writes_nothing(tmp_path: Path) -> None:
+    recorded = results.CommandResults(tmp_path, _ctx())
+    with pytest.raises(KeyboardInterrupt), recorded.command(["mypy"]):
+        raise KeyboardInterrupt
+    assert not (tmp_path / results.RESULTS_FILE).exists()

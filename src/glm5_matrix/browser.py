@@ -1,0 +1,358 @@
+"""report.html in real headless Chromium: it loads without a console error and without a
+request for anything but itself, every cell and every test of the results is on it with its
+outcome as text, its one control works, and a screenshot lands beside it.
+
+Chromium is driven through the DevTools protocol over a pipe (--remote-debugging-pipe: JSON
+messages separated by NUL on file descriptors 3 and 4), so no port is opened. Each run gets a
+fresh profile folder; the browser is stopped (and killed if it does not stop) whatever happens.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import select
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from glm5_matrix.errors import UserError
+
+CHROMIUM_VARIABLE = "GLM5_MATRIX_CHROMIUM"
+CANDIDATES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
+INSTALL_HINT = "Debian's chromium package: apt-get install -y chromium"
+# The machine's network is closed, and the page must not need it: Chromium's own traffic off.
+FLAGS = (
+    "--headless",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-extensions",
+    "--disable-default-apps",
+    "--disable-dev-shm-usage",
+    "--no-first-run",
+    "--no-default-browser-check",
+    "--mute-audio",
+    "--disable-breakpad",
+    "--disable-crash-reporter",
+    "--remote-debugging-pipe",
+)
+VIEWPORT = {"width": 1400, "height": 1000, "deviceScaleFactor": 1, "mobile": False}
+
+
+def find_chromium(environ: dict[str, str] | None = None) -> str | None:
+    environ = dict(os.environ) if environ is None else environ
+    given = environ.get(CHROMIUM_VARIABLE)
+    if given:
+        return given if os.access(given, os.X_OK) else None
+    for name in CANDIDATES:
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+class DevTools:
+    """A headless Chromium and one page, spoken to over --remote-debugging-pipe."""
+
+    def __init__(self, executable: str, timeout: float = 60.0) -> None:
+        self.timeout = timeout
+        self.profile = tempfile.mkdtemp(prefix="glm5-chromium-")
+        # Chromium's own log (it complains about D-Bus on a bare machine): a file, never a pipe
+        # that could fill up and block it.
+        self._log = open(Path(self.profile) / "chromium.log", "wb")  # noqa: SIM115
+        self.events: list[dict[str, Any]] = []
+        self._next_id = 0
+        self._buffer = b""
+        to_chrome_r, self._to_chrome = os.pipe()
+        self._from_chrome, from_chrome_w = os.pipe()
+        # Chromium reads fd 3 and writes fd 4: a small trampoline moves the pipe ends there
+        # (from numbers >= 10, so that the two moves cannot overwrite each other) and execs it.
+        high_r = _dup_high(to_chrome_r)
+        high_w = _dup_high(from_chrome_w)
+        for fd in (to_chrome_r, from_chrome_w):
+            os.close(fd)
+        flags = [*FLAGS, f"--user-data-dir={self.profile}"]
+        if os.geteuid() == 0:
+            flags.append("--no-sandbox")  # Chromium refuses to run as root with its sandbox
+        trampoline = (
+            "import os, sys; os.dup2(int(sys.argv[1]), 3); os.dup2(int(sys.argv[2]), 4); "
+            "os.close(int(sys.argv[1])); os.close(int(sys.argv[2])); "
+            "os.execv(sys.argv[3], sys.argv[3:])"
+        )
+        command = [sys.executable, "-c", trampoline, str(high_r), str(high_w), executable, *flags]
+        self.process = subprocess.Popen(
+            command,
+            pass_fds=(high_r, high_w),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=self._log,
+            start_new_session=True,
+        )
+        os.close(high_r)
+        os.close(high_w)
+        self.session: str | None = None
+
+    def __enter__(self) -> DevTools:
+        try:
+            target = self.call("Target.createTarget", {"url": "about:blank"})["targetId"]
+            attached = self.call("Target.attachToTarget", {"targetId": target, "flatten": True})
+            self.session = attached["sessionId"]
+            for domain in ("Runtime", "Log", "Network", "Page"):
+                self.call(f"{domain}.enable")
+            self.call("Emulation.setDeviceMetricsOverride", VIEWPORT)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def call(self, method: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
+        self._next_id += 1
+        message: dict[str, Any] = {"id": self._next_id, "method": method, "params": params or {}}
+        if self.session is not None and not method.startswith(("Target.", "Browser.")):
+            message["sessionId"] = self.session
+        os.write(self._to_chrome, json.dumps(message).encode() + b"\0")
+        while True:
+            reply = self._receive()
+            if reply.get("id") == self._next_id:
+                if "error" in reply:
+                    raise RuntimeError(f"{method}: {reply['error']}")
+                return dict(reply.get("result") or {})
+            self.events.append(reply)
+
+    def wait_for(self, method: str) -> dict[str, Any]:
+        for event in self.events:
+            if event.get("method") == method:
+                return event
+        deadline = time.monotonic() + self.timeout
+        while True:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {method} from Chromium within {self.timeout:.0f} s")
+            event = self._receive()
+            self.events.append(event)
+            if event.get("method") == method:
+                return event
+
+    def evaluate(self, expression: str) -> Any:
+        result = self.call(
+            "Runtime.evaluate",
+            {"expression": expression, "returnByValue": True, "awaitPromise": True},
+        )
+        if "exceptionDetails" in result:
+            raise RuntimeError(f"page script failed: {result['exceptionDetails']}")
+        return result["result"].get("value")
+
+    def _receive(self) -> dict[str, Any]:
+        deadline = time.monotonic() + self.timeout
+        while b"\0" not in self._buffer:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([self._from_chrome], [], [], max(left, 0))
+            if not ready:
+                raise TimeoutError(f"Chromium sent nothing for {self.timeout:.0f} s")
+            chunk = os.read(self._from_chrome, 1 << 20)
+            if not chunk:
+                raise RuntimeError(f"Chromium exited: {self._stderr_tail()}")
+            self._buffer += chunk
+        message, self._buffer = self._buffer.split(b"\0", 1)
+        return dict(json.loads(message))
+
+    def _stderr_tail(self) -> str:
+        self._log.flush()
+        text = (Path(self.profile) / "chromium.log").read_bytes().decode(errors="replace")
+        lines = [line for line in text.splitlines() if "dbus" not in line]
+        return "\n".join(lines[-20:])
+
+    def close(self) -> None:
+        try:
+            if self.process.poll() is None:
+                try:
+                    os.write(
+                        self._to_chrome,
+                        json.dumps({"id": 0, "method": "Browser.close"}).encode() + b"\0",
+                    )
+                    self.process.wait(timeout=10)
+                except (OSError, subprocess.TimeoutExpired):
+                    pass
+            # Its own session: whatever is left of it (helpers, or a browser that did not
+            # close) goes too.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, 9)
+            self.process.wait(timeout=10)
+        finally:
+            for fd in (self._to_chrome, self._from_chrome):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._log.close()
+            shutil.rmtree(self.profile, ignore_errors=True)
+
+
+def _dup_high(fd: int) -> int:
+    import fcntl
+
+    return fcntl.fcntl(fd, fcntl.F_DUPFD, 10)
+
+
+# What the page shows, read in the page itself (the grid cells' text is what a person sees).
+_PAGE_FACTS = """(() => {
+  const text = (el) => (el ? el.innerText.trim() : null);
+  return {
+    headline: text(document.getElementById("headline")),
+    cells: [...document.querySelectorAll("#cells tr[data-cell]")].map((row) => ({
+      id: row.dataset.cell, text: text(row),
+      status: text(row.querySelector("[data-status]")),
+    })),
+    grid: [...document.querySelectorAll("tr[data-test]")].flatMap((row) =>
+      [...row.querySelectorAll("td[data-cell]")].map((td) => ({
+        test: row.dataset.test, name: text(row.querySelector("th")),
+        cell: td.dataset.cell, outcome: td.dataset.outcome || null, text: text(td),
+      }))),
+    failures: [...document.querySelectorAll("details.failure")].map((d) => ({
+      cell: d.dataset.cell, test: d.dataset.test, summary: text(d.querySelector("summary")),
+    })),
+    rows: document.querySelectorAll("tr[data-test]").length,
+  };
+})()"""
+_FILTER = """(() => {
+  const box = document.getElementById("only-problems");
+  box.checked = true; box.dispatchEvent(new Event("change"));
+  const shown = [...document.querySelectorAll("tr[data-test]")]
+    .filter((row) => !row.classList.contains("hidden")).map((row) => row.dataset.test);
+  box.checked = false; box.dispatchEvent(new Event("change"));
+  return shown;
+})()"""
+
+
+@dataclass
+class PageLoad:
+    """What Chromium saw while loading a page."""
+
+    url: str
+    errors: list[str] = field(default_factory=list)  # console errors, exceptions, log errors
+    requests: list[str] = field(default_factory=list)  # anything fetched but the page itself
+    facts: dict[str, Any] = field(default_factory=dict)
+    filtered: list[str] = field(default_factory=list)  # rows left by "only failed" filter
+    screenshot: Path | None = None
+
+
+def load_page(
+    page: Path, screenshot: Path | None = None, executable: str | None = None
+) -> PageLoad:
+    executable = executable or find_chromium()
+    if executable is None:
+        raise UserError(f"Chromium not found (set {CHROMIUM_VARIABLE}, or install {INSTALL_HINT})")
+    url = page.resolve().as_uri()
+    loaded = PageLoad(url)
+    with DevTools(executable) as tools:
+        tools.call("Page.navigate", {"url": url})
+        tools.wait_for("Page.loadEventFired")
+        loaded.facts = tools.evaluate(_PAGE_FACTS)
+        loaded.filtered = tools.evaluate(_FILTER)
+        if screenshot is not None:
+            shot = tools.call(
+                "Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True}
+            )
+            tmp = screenshot.with_name(f".{screenshot.name}.{os.getpid()}.tmp")
+            tmp.write_bytes(base64.b64decode(shot["data"]))
+            os.replace(tmp, screenshot)
+            loaded.screenshot = screenshot
+        events = list(tools.events)
+    for event in events:
+        method, params = event.get("method"), event.get("params") or {}
+        if method == "Runtime.exceptionThrown":
+            details = params.get("exceptionDetails") or {}
+            exception = details.get("exception") or {}
+            loaded.errors.append(
+                f"exception: {exception.get('description') or details.get('text')}"
+            )
+        elif method == "Runtime.consoleAPICalled" and params.get("type") in ("error", "assert"):
+            args = " ".join(
+                str(a.get("value", a.get("description", ""))) for a in params.get("args", [])
+            )
+            loaded.errors.append(f"console.{params['type']}: {args}")
+        elif method == "Log.entryAdded" and (params.get("entry") or {}).get("level") == "error":
+            entry = params["entry"]
+            loaded.errors.append(
+                f"{entry.get('source')}: {entry.get('text')} {entry.get('url') or ''}".strip()
+            )
+        elif method == "Network.requestWillBeSent":
+            requested = (params.get("request") or {}).get("url", "")
+            if requested != url and not requested.startswith("data:"):
+                loaded.requests.append(requested)
+    return loaded
+
+
+@dataclass
+class ReportCheck:
+    load: PageLoad
+    problems: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def describe(self) -> str:
+        facts = self.load.facts
+        seen = f"{len(facts.get('cells', []))} cells, {facts.get('rows', 0)} test rows"
+        shot = f"; screenshot {self.load.screenshot}" if self.load.screenshot else ""
+        if self.ok:
+            return f"Chromium: report.html loads cleanly ({seen}){shot}"
+        shown = "; ".join(self.problems[:10])
+        more = f" (and {len(self.problems) - 10} more)" if len(self.problems) > 10 else ""
+        return f"Chromium: report.html has {len(self.problems)} problem(s): {shown}{more}{shot}"
+
+
+def check_report(page: Path, report: Any, screenshot: Path | None = None) -> ReportCheck:
+    """Load `page` and hold it against `report` (a glm5_matrix.report.MatrixReport)."""
+    from glm5_matrix.report_html import OUTCOME_WORDS
+
+    load = load_page(page, screenshot)
+    problems = [f"console: {e}" for e in load.errors]
+    problems += [f"requested {r}" for r in load.requests]
+    facts = load.facts
+    if facts.get("headline") != report.headline():
+        problems.append(f"headline {facts.get('headline')!r} != {report.headline()!r}")
+    rows = {c["id"]: c for c in facts.get("cells", [])}
+    for cell in report.cells:
+        row = rows.get(cell.id)
+        if row is None:
+            problems.append(f"cell {cell.id} is not on the page")
+        elif cell.id not in (row["text"] or "") or row["status"] != cell.status:
+            problems.append(f"cell {cell.id}: the page shows {row['text']!r}")
+    extra = set(rows) - {c.id for c in report.cells}
+    problems += [f"cell {name} is on the page but not in the results" for name in sorted(extra)]
+    grid = {(g["test"], g["cell"]): g for g in facts.get("grid", [])}
+    for cell in report.cells:
+        for test in cell.tests:
+            key = (test.nodeid if test.file else test.name, cell.id)
+            shown = grid.get(key)
+            word = OUTCOME_WORDS.get(test.outcome, test.outcome)
+            if shown is None:
+                problems.append(f"{cell.id}: test {test.nodeid} is not on the page")
+            elif shown["outcome"] != test.outcome or shown["text"] != word:
+                problems.append(f"{cell.id}: {test.nodeid} shows {shown['text']!r}, not {word!r}")
+            elif shown["name"] != test.name:
+                problems.append(f"{cell.id}: {test.nodeid} is labelled {shown['name']!r}")
+    failures = {(f["cell"], f["test"]) for f in facts.get("failures", [])}
+    for cell in report.cells:
+        for test in cell.failures:
+            if (cell.id, test.nodeid) not in failures:
+                problems.append(f"{cell.id}: failure {test.nodeid} cannot be expanded on the page")
+    failing = {
+        g["test"] for g in facts.get("grid", []) if g["outcome"] in ("failed", "error", "xpassed")
+    }
+    if set(load.filtered) != failing:
+        problems.append(
+            f"the 'only failed' filter leaves {len(load.filtered)} rows, not the {len(failing)} failing"
+        )
+    return ReportCheck(load, problems)

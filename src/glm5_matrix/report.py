@@ -1,0 +1,482 @@
+"""The matrix report: every cell of the matrix and what its results folder says, for a person
+(report.html, glm5_matrix.report_html), for a CI summary (report.md) and for a CI test view
+(junit.xml merged over the cells, each test named with its cell id).
+
+Reads only matrix data and results folders (results/SLUG/{context.json, results.json,
+junit.xml}); writes only into its output folder, each file replaced atomically. A cell is
+passed, failed, skipped (with the reason: preflight's, or every test's), not run (no results
+folder) or interrupted (results.json says "complete": false, or the folder has none). Keys that
+later runs add (complete, ended, engine_starts[].compile, figures) are read where present.
+
+    glm5-matrix report [RESULTS] [--output DIR] [--check-browser]      (nox -s report -- ...)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from html import escape
+from pathlib import Path
+from typing import Any
+
+from glm5_matrix.errors import UserError
+from glm5_matrix.matrix import MATRIX_FILE, Matrix, Variant, load_matrix
+from glm5_matrix.results import RESULTS_FILE, first_line
+
+STATUSES = ("passed", "failed", "skipped", "not run", "interrupted")
+FAILED_OUTCOMES = ("failed", "error", "xpassed")
+REPORT_DIR = "report"
+FILES = ("report.md", "report.html", "junit.xml")
+# pytest's exit status when it collected no test: a cell that tested nothing did not pass.
+NO_TESTS_COLLECTED = 5
+
+
+@dataclass
+class TestResult:
+    nodeid: str
+    outcome: str  # passed, failed, error, skipped, xfailed, xpassed
+    seconds: float = 0.0
+    message: str = ""  # the first line of a failure, a skip's or xfail's reason
+    detail: str = ""  # a failure's full text, from junit.xml
+
+    @property
+    def file(self) -> str:
+        return self.nodeid.split("::", 1)[0] if "::" in self.nodeid else ""
+
+    @property
+    def name(self) -> str:
+        return self.nodeid.split("::", 1)[1] if "::" in self.nodeid else self.nodeid
+
+
+@dataclass
+class CellReport:
+    id: str
+    slug: str
+    status: str  # one of STATUSES
+    reason: str = ""  # why skipped / interrupted / failed without a failing test
+    in_matrix: bool = True
+    tags: list[str] = field(default_factory=list)
+    tests: list[TestResult] = field(default_factory=list)
+    outcomes: dict[str, int] = field(default_factory=dict)
+    engine_starts: list[dict[str, Any]] = field(default_factory=list)
+    figures: list[dict[str, Any]] = field(default_factory=list)
+    wall_seconds: float | None = None
+    exit_status: int | None = None
+    context: dict[str, Any] = field(default_factory=dict)
+    versions: dict[str, str] = field(default_factory=dict)
+    folder: Path | None = None
+
+    @property
+    def failures(self) -> list[TestResult]:
+        return [t for t in self.tests if t.outcome in FAILED_OUTCOMES]
+
+    @property
+    def label(self) -> str:
+        """The outcome as one line: "passed", "skipped: e2e-tp1 needs 1 GPU(s) ..."."""
+        return f"{self.status}: {self.reason}" if self.reason else self.status
+
+    def describe_tests(self) -> str:
+        return ", ".join(f"{n} {k}" for k, n in sorted(self.outcomes.items())) or "no tests"
+
+    def describe_wall(self) -> str:
+        if not isinstance(self.wall_seconds, int | float) or self.status == "skipped":
+            return ""
+        return f"{self.wall_seconds:.0f} s"
+
+    def describe_starts(self) -> str:
+        if not self.engine_starts:
+            return "none"
+        total = sum(float(s.get("seconds") or 0.0) for s in self.engine_starts)
+        text = f"{len(self.engine_starts)} ({total:.0f} s)"
+        compiled = [
+            float(s["compile"]["seconds"])
+            for s in self.engine_starts
+            if isinstance(s.get("compile"), dict) and s["compile"].get("seconds") is not None
+        ]
+        return text + (f", {sum(compiled):.0f} s compiling" if compiled else "")
+
+
+@dataclass
+class MatrixReport:
+    cells: list[CellReport]
+    results_dir: Path
+    matrix_file: Path
+    generated: str
+
+    def count(self, status: str) -> int:
+        return sum(1 for c in self.cells if c.status == status)
+
+    def headline(self) -> str:
+        counts = ", ".join(f"{self.count(s)} {s}" for s in STATUSES)
+        return f"{len(self.cells)} cells: {counts}"
+
+    @property
+    def ok(self) -> bool:
+        return not any(c.status in ("failed", "interrupted") for c in self.cells)
+
+
+# --- reading ----------------------------------------------------------------------------------
+
+
+def collect(matrix: Matrix, results_dir: Path, exclude: tuple[Path, ...] = ()) -> MatrixReport:
+    """Every variant of the matrix, in matrix order, then any results folder of a cell that the
+    matrix no longer has. `exclude`: folders under results_dir that are not cells (the
+    report's own output)."""
+    if not results_dir.is_dir():
+        raise UserError(f"{results_dir}: results folder not found")
+    cells = [_read_cell(results_dir / v.slug, v.id, v.slug, v) for v in matrix.variants]
+    known = {v.slug for v in matrix.variants}
+    skipped = {p.resolve() for p in exclude}
+    for folder in sorted(p for p in results_dir.iterdir() if p.is_dir()):
+        if folder.name in known or folder.resolve() in skipped:
+            continue
+        if not any((folder / name).is_file() for name in (RESULTS_FILE, "context.json")):
+            continue  # not a cell's folder
+        data = _load_json(folder / RESULTS_FILE) or {}
+        cell_id = str((data.get("cell") or {}).get("id") or folder.name)
+        cells.append(_read_cell(folder, cell_id, folder.name, None))
+    return MatrixReport(
+        cells=cells,
+        results_dir=results_dir,
+        matrix_file=matrix.source,
+        generated=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    )
+
+
+def _load_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except (OSError, json.JSONDecodeError) as exc:
+        return {"_unreadable": f"{path.name} unreadable: {exc}"}
+    return data if isinstance(data, dict) else {"_unreadable": f"{path.name} is not an object"}
+
+
+def _read_cell(folder: Path, cell_id: str, slug: str, variant: Variant | None) -> CellReport:
+    cell = CellReport(
+        id=cell_id,
+        slug=slug,
+        status="not run",
+        in_matrix=variant is not None,
+        tags=variant.tags if variant is not None else [],
+        folder=folder if folder.is_dir() else None,
+    )
+    if not folder.is_dir():
+        return cell
+    context = _load_json(folder / "context.json")
+    data = _load_json(folder / RESULTS_FILE)
+    if data is None:
+        cell.status, cell.reason = "interrupted", f"no {RESULTS_FILE} (the run ended early)"
+        cell.context = context or {}
+        cell.tests = _junit_tests(folder / "junit.xml", [])
+        return cell
+    if "_unreadable" in data:
+        cell.status, cell.reason = "interrupted", str(data["_unreadable"])
+        return cell
+    cell.context = context if context and "_unreadable" not in context else data.get("cell") or {}
+    cell.exit_status = data.get("exit_status")
+    cell.wall_seconds = data.get("wall_seconds")
+    cell.outcomes = dict(data.get("outcomes") or {})
+    cell.engine_starts = [s for s in data.get("engine_starts") or [] if isinstance(s, dict)]
+    cell.figures = [f for f in data.get("figures") or [] if isinstance(f, dict)]
+    cell.versions = dict(data.get("versions") or {})
+    cell.tests = _junit_tests(folder / "junit.xml", _recorded_tests(data))
+    cell.status, cell.reason = _status(data, cell)
+    return cell
+
+
+def _recorded_tests(data: dict[str, Any]) -> list[TestResult]:
+    tests = []
+    for nodeid, entry in (data.get("tests") or {}).items():
+        if not isinstance(entry, dict):
+            continue
+        outcome = str(entry.get("outcome", "passed"))
+        message = str(entry.get("message") or entry.get("reason") or "")
+        message = message.removeprefix("Skipped: ")  # pytest's longrepr of a skip
+        tests.append(
+            TestResult(nodeid, outcome, float(entry.get("seconds") or 0.0), first_line(message))
+        )
+    return tests
+
+
+def _status(data: dict[str, Any], cell: CellReport) -> tuple[str, str]:
+    if data.get("complete") is False:  # issue 14's marker; absent means complete
+        ended = data.get("ended") or {}
+        how = ended.get("how") or "ended early"
+        parts = [str(how)]
+        if ended.get("signal"):
+            parts.append(str(ended["signal"]))
+        if ended.get("test"):
+            parts.append(f"in {ended['test']}")
+        if ended.get("detail"):
+            parts.append(first_line(str(ended["detail"])))
+        return "interrupted", " ".join(parts)
+    if data.get("skipped"):
+        return "skipped", first_line(str(data["skipped"]))
+    if cell.exit_status == NO_TESTS_COLLECTED and not cell.tests:
+        return "failed", "no tests ran (pytest exit 5)"
+    if cell.failures or cell.exit_status not in (0, None):
+        reason = "" if cell.failures else f"exit status {cell.exit_status}"
+        return "failed", reason
+    if cell.tests and all(t.outcome == "skipped" for t in cell.tests):
+        reasons = sorted({t.message for t in cell.tests if t.message})
+        return "skipped", "; ".join(reasons[:3]) or "every test skipped"
+    return "passed", ""
+
+
+def junit_address(nodeid: str) -> tuple[str, str]:
+    """(classname, name) pytest's junit.xml gives a node id (its mangle_test_address)."""
+    path, bracket, params = nodeid.partition("[")
+    names = path.split("::")
+    names[0] = re.sub(r"\.py$", "", names[0].replace("/", "."))
+    names[-1] += bracket + params
+    return ".".join(names[:-1]), names[-1]
+
+
+def _junit_tests(path: Path, recorded: list[TestResult]) -> list[TestResult]:
+    """The recorded tests with each failure's full text from junit.xml; tests that only
+    junit.xml has (a run that ended before results.json) are added from it."""
+    cases = _junit_cases(path)
+    by_address = {junit_address(t.nodeid): t for t in recorded}
+    for (classname, name), case in cases.items():
+        test = by_address.get((classname, name))
+        results = list(case.result)
+        if test is None:
+            test = TestResult(f"{classname}::{name}", _junit_outcome(results), float(case.time))
+            recorded.append(test)
+            by_address[(classname, name)] = test
+        for result in results:
+            text = (result.text or "").strip()
+            if text and not test.detail:
+                test.detail = text
+            if result.message and not test.message:
+                test.message = first_line(result.message)
+    return recorded
+
+
+def _junit_cases(path: Path) -> dict[tuple[str, str], Any]:
+    if not path.is_file():
+        return {}
+    from junitparser import JUnitXml, JUnitXmlError, TestSuite
+
+    try:
+        xml = JUnitXml.fromfile(str(path))
+    except (JUnitXmlError, OSError, SyntaxError):  # ParseError is a SyntaxError
+        return {}
+    suites = [xml] if isinstance(xml, TestSuite) else list(xml)
+    return {(c.classname or "", c.name or ""): c for suite in suites for c in suite}
+
+
+def _junit_outcome(results: list[Any]) -> str:
+    from junitparser import Error, Failure, Skipped
+
+    for result in results:
+        if isinstance(result, Failure):
+            return "failed"
+        if isinstance(result, Error):
+            return "error"
+        if isinstance(result, Skipped):
+            return "skipped"
+    return "passed"
+
+
+# --- report.md --------------------------------------------------------------------------------
+
+
+def _md(text: Any) -> str:
+    """A table cell: one line, pipes escaped, no HTML of a message rendered as HTML."""
+    return escape(str(text), quote=False).replace("\n", " ").replace("|", "\\|").strip()
+
+
+def figure_verdict(figure: dict[str, Any]) -> str:
+    """ "within" / "outside" its limit, or "" where the figure has none (or is not a number)."""
+    relation, limit, value = figure.get("relation"), figure.get("limit"), figure.get("value")
+    if relation is None or limit is None:
+        return ""
+    try:
+        ok = {
+            "<=": value <= limit,
+            ">=": value >= limit,
+            "<": value < limit,
+            ">": value > limit,
+            "==": value == limit,
+        }[relation]
+    except (TypeError, KeyError):
+        return ""
+    return "within" if ok else "outside"
+
+
+def format_value(value: Any, unit: Any = None) -> str:
+    if isinstance(value, float):
+        text = f"{value:.4g}"
+    elif isinstance(value, list):
+        text = ", ".join(str(v) for v in value)
+    else:
+        text = str(value)
+    return f"{text} {unit}" if unit and not isinstance(value, list) else text
+
+
+def markdown(report: MatrixReport, max_rows: int = 40) -> str:
+    """Short enough for $GITHUB_STEP_SUMMARY or `buildkite-agent annotate` (both take far more
+    than this: failures and figures are capped at `max_rows` rows each)."""
+    lines = [
+        "## glm5-matrix report",
+        "",
+        f"{report.headline()}.",
+        "",
+        "| cell | outcome | tests | engine starts | wall |",
+        "|---|---|---|---|---|",
+    ]
+    for cell in report.cells:
+        wall = cell.describe_wall()
+        name = cell.id if cell.in_matrix else f"{cell.id} (not in {MATRIX_FILE})"
+        ran = cell.status in ("passed", "failed") or bool(cell.tests)
+        lines.append(
+            f"| `{_md(name)}` | {_md(cell.label)} | {_md(cell.describe_tests() if ran else '')} "
+            f"| {_md(cell.describe_starts() if ran else '')} | {wall} |"
+        )
+    failures = [(c, t) for c in report.cells for t in c.failures]
+    if failures:
+        lines += ["", "### Failures", "", "| cell | test | first line |", "|---|---|---|"]
+        for cell, test in failures[:max_rows]:
+            lines.append(f"| `{_md(cell.id)}` | `{_md(test.nodeid)}` | {_md(test.message)} |")
+        if len(failures) > max_rows:
+            lines.append(f"\n{len(failures) - max_rows} more failures in report.html.")
+    figures = [(c, f) for c in report.cells for f in c.figures]
+    if figures:
+        lines += [
+            "",
+            "### Figures",
+            "",
+            "| cell | figure | value | limit | |",
+            "|---|---|---|---|---|",
+        ]
+        for cell, figure in figures[:max_rows]:
+            limit = figure.get("limit")
+            shown = "" if limit is None else f"{figure.get('relation') or ''} {format_value(limit)}"
+            lines.append(
+                f"| `{_md(cell.id)}` | {_md(figure.get('name'))} "
+                f"| {_md(format_value(figure.get('value'), figure.get('unit')))} "
+                f"| {_md(shown)} | {figure_verdict(figure)} |"
+            )
+        if len(figures) > max_rows:
+            lines.append(f"\n{len(figures) - max_rows} more figures in report.html.")
+    return "\n".join(lines) + "\n"
+
+
+# --- junit.xml --------------------------------------------------------------------------------
+
+
+def merged_junit(report: MatrixReport) -> Any:
+    """One <testsuite> per cell that has results, named by its id; every test's classname is
+    prefixed with the cell id, so the same test of two cells stays two tests."""
+    from junitparser import Error, Failure, JUnitXml, Skipped, TestCase, TestSuite
+
+    merged = JUnitXml(name="glm5-matrix")
+    for cell in report.cells:
+        if cell.status == "not run":
+            continue
+        suite = TestSuite(f"{cell.id}")
+        suite.add_property("cell", cell.id)
+        for dist, version in sorted(cell.versions.items()):
+            suite.add_property(dist, version)
+        cases = _junit_cases(cell.folder / "junit.xml") if cell.folder else {}
+        if cases:
+            for case in cases.values():
+                case.classname = f"{cell.id}.{case.classname}" if case.classname else cell.id
+                suite.add_testcase(case)
+        else:  # a commands cell (lint) or a preflight skip: from results.json
+            for test in cell.tests:
+                case = TestCase(test.name, f"{cell.id}.{test.file}" if test.file else cell.id)
+                case.time = test.seconds
+                if test.outcome in FAILED_OUTCOMES:
+                    case.result = [Failure(test.message or test.outcome)]
+                elif test.outcome in ("skipped", "xfailed"):
+                    case.result = [Skipped(test.message or test.outcome)]
+                suite.add_testcase(case)
+            if cell.status == "skipped" and not cell.tests:
+                case = TestCase("preflight", cell.id)
+                case.result = [Skipped(cell.reason)]
+                suite.add_testcase(case)
+        if cell.status == "interrupted":
+            case = TestCase("results complete", cell.id)
+            case.result = [Error(f"interrupted: {cell.reason}")]
+            suite.add_testcase(case)
+        elif cell.status == "failed" and not cell.failures:
+            case = TestCase("exit status", cell.id)
+            case.result = [Failure(cell.reason or "failed")]
+            suite.add_testcase(case)
+        suite.update_statistics()
+        merged.add_testsuite(suite)
+    merged.update_statistics()
+    return merged
+
+
+# --- writing ----------------------------------------------------------------------------------
+
+
+def write(report: MatrixReport, out: Path) -> list[Path]:
+    """report.md, report.html and junit.xml into `out`, each written beside its target and
+    renamed into place; other files in `out` (a screenshot) are left alone."""
+    from glm5_matrix.report_html import render
+
+    out.mkdir(parents=True, exist_ok=True)
+    staging = out / f".staging-{os.getpid()}"
+    staging.mkdir()
+    try:
+        (staging / "report.md").write_text(markdown(report))
+        (staging / "report.html").write_text(render(report))
+        merged_junit(report).write(str(staging / "junit.xml"), pretty=True)
+        written = []
+        for name in FILES:
+            os.replace(staging / name, out / name)
+            written.append(out / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return written
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "report",
+        help="the matrix report (report.md, report.html, merged junit.xml) from results/",
+        description=__doc__.split("\n\n")[0],
+    )
+    parser.add_argument("results", nargs="?", type=Path, help="results folder (default results/)")
+    parser.add_argument("--output", type=Path, help="where to write (default RESULTS/report)")
+    parser.add_argument("--matrix", type=Path, help="the matrix file (default: the checkout's)")
+    parser.add_argument(
+        "--check-browser",
+        action="store_true",
+        help="load report.html in headless Chromium: no console error, no request, every cell "
+        "and test on it; writes report.png beside it",
+    )
+    parser.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from glm5_matrix.profiles import repo_root
+
+    results_dir = args.results or Path(
+        os.environ.get("GLM5_MATRIX_RESULTS") or repo_root() / "results"
+    )
+    out = args.output or results_dir / REPORT_DIR
+    matrix = load_matrix(args.matrix or repo_root() / MATRIX_FILE)
+    report = collect(matrix, results_dir, exclude=(out,))
+    for path in write(report, out):
+        print(f"wrote {path}")
+    print(report.headline())
+    if args.check_browser:
+        from glm5_matrix import browser
+
+        checked = browser.check_report(out / "report.html", report, out / "report.png")
+        print(checked.describe())
+        if not checked.ok:
+            return 1
+    return 0

@@ -1,0 +1,109 @@
+"""glm5_matrix.guards and `glm5-matrix affected`: which cells a vLLM change should run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from glm5_matrix import guards
+from glm5_matrix.matrix import MATRIX_FILE, load_matrix
+from glm5_matrix.profiles import repo_root
+
+ROOT = repo_root()
+
+
+@pytest.fixture(scope="module")
+def matrix():
+    return load_matrix(ROOT / MATRIX_FILE)
+
+
+@pytest.mark.parametrize(
+    ("changed", "guard", "expected"),
+    [
+        ("vllm/v1/core/sched/scheduler.py", "vllm/v1/core/", True),
+        ("./vllm/v1/core/block_pool.py", "vllm/v1/core/", True),
+        ("vllm/v1/core_extra.py", "vllm/v1/core/", False),  # a prefix of a name is not a folder
+        ("vllm/v1/attention/backends/gdn_attn.py", "vllm/v1/attention/backends/gdn_attn.py", True),
+        (
+            "vllm/v1/attention/backends/gdn_attn.pyi",
+            "vllm/v1/attention/backends/gdn_attn.py",
+            False,
+        ),
+        ("vllm/v1/", "vllm/v1/core/", True),  # a changed folder holds the guarded one
+        ("vllm/v1/", "vllm/v1/kv_cache_interface.py", True),
+        ("vllm/v1", "vllm/v1/core/", False),  # without the slash it names a file
+        ("docs/index.md", "vllm/v1/core/", False),
+    ],
+)
+def test_matches(changed, guard, expected):
+    assert guards.matches(changed, guard) is expected
+
+
+def test_the_59536_lesson_runs_the_pruned_model_cells(matrix):
+    """A change to the GDN metadata builder (where #59536 came from) runs every GLM engine
+    cell, not only a change to vllm/models/glm5next/."""
+    found = {
+        a.variant.id for a in guards.affected(matrix, ["vllm/v1/attention/backends/gdn_attn.py"])
+    }
+    assert {"e2e-tp1(deep_gemm)", "e2e-tp1(flashinfer)", "dflash-tp1", "metadata"} <= found
+    assert "layout" not in found and "unit" not in found
+
+
+def test_an_axis_value_runs_alone(matrix):
+    found = guards.affected(matrix, ["vllm/v1/simple_kv_offload/manager.py"])
+    assert [a.variant.id for a in found] == ["offload-tp1(simple)"]
+    assert found[0].reasons == (
+        ("vllm/v1/simple_kv_offload/manager.py", "vllm/v1/simple_kv_offload/"),
+    )
+    nixl = guards.affected(matrix, ["vllm/distributed/kv_transfer/kv_connector/v1/nixl/worker.py"])
+    assert {a.variant.id for a in nixl} == {"pd-nixl", "pd-nixl-cpu"}
+
+
+def test_nothing_guards_a_doc(matrix):
+    assert guards.affected(matrix, ["docs/index.md"]) == []
+    assert guards.unguarded(matrix, ["docs/index.md", "vllm/v1/core/x.py"]) == ["docs/index.md"]
+
+
+def _cli(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    return subprocess.run(
+        [sys.executable, "-m", "glm5_matrix.cli", "affected", *args],
+        capture_output=True,
+        text=True,
+        input=stdin,
+        env=env,
+        timeout=60,
+    )
+
+
+def test_cli_prints_one_cell_per_line():
+    result = _cli("vllm/v1/kv_offload/base.py", "vllm/utils/flashinfer.py")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "e2e-tp1(flashinfer)",
+        "e2e-tp2(flashinfer)",
+        "e2e-tp4(flashinfer)",
+        "offload-tp1(offloading)",
+    ]
+
+
+def test_cli_json_and_stdin():
+    result = _cli("--json", "-", stdin="vllm/v1/worker/cpu_worker.py\nREADME.md\n")
+    assert result.returncode == 0, result.stderr
+    listed = json.loads(result.stdout)
+    assert [item["session"] for item in listed] == ["e2e-cpu", "pd-nixl-cpu"]
+    assert listed[0]["matched"] == [
+        {"path": "vllm/v1/worker/cpu_worker.py", "guard": "vllm/v1/worker/cpu_worker.py"}
+    ]
+    assert "cpu" in listed[0]["tags"]
+    assert "no cell guards README.md" in result.stderr
+
+
+def test_cli_without_paths_is_a_usage_error():
+    result = _cli()
+    assert result.returncode == 2
+    assert "PATH" in result.stderr

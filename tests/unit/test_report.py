@@ -1,0 +1,221 @@
+"""glm5_matrix.report on a results folder made by the real writers (results_tree): every
+outcome a cell can have, report.md, the merged junit.xml, atomic writing, bad input."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import results_tree
+from junitparser import JUnitXml
+
+from glm5_matrix import report
+from glm5_matrix.profiles import repo_root
+
+ROOT = repo_root()
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = tmp_path_factory.mktemp("run")
+    return results_tree.build(base / "results", base / "work")
+
+
+@pytest.fixture(scope="module")
+def built(tree: Path) -> report.MatrixReport:
+    return report.collect(results_tree.matrix(), tree)
+
+
+def _cell(built: report.MatrixReport, cell_id: str) -> report.CellReport:
+    (cell,) = [c for c in built.cells if c.id == cell_id]
+    return cell
+
+
+def test_every_outcome_a_cell_can_have(built):
+    status = {c.id: c.label for c in built.cells}
+    assert status["e2e-cpu"] == "failed"
+    assert status["unit"] == "passed"
+    assert status["lint"] == "failed"
+    assert status["e2e-tp1(deep_gemm)"] == (
+        "skipped: e2e-tp1 needs 1 GPU(s) with compute capability >= 9.0; found no GPU"
+    )
+    assert status["pd-nixl-cpu"] == "interrupted: no results.json (the run ended early)"
+    assert status["offload-tp1(simple)"] == "interrupted: signal SIGTERM"
+    assert status["e2e-tp2(flashinfer)"] == "not run"
+    # Every variant of the matrix is there, in matrix order, then what the matrix lost.
+    ids = [c.id for c in built.cells]
+    assert ids[:-1] == [v.id for v in results_tree.matrix().variants]
+    assert ids[-1] == "old-cell" and not built.cells[-1].in_matrix
+    assert built.headline() == "18 cells: 2 passed, 2 failed, 1 skipped, 11 not run, 2 interrupted"
+    assert not built.ok
+
+
+def test_failures_carry_their_first_line_and_full_text(built):
+    e2e = _cell(built, "e2e-cpu")
+    (failure,) = e2e.failures
+    assert failure.nodeid == "tests/suites/test_demo.py::test_greedy_repeat"
+    assert failure.message.startswith("AssertionError: cold vs repeat: |logprob delta| 0.25")
+    assert "assert 0.25 <= 0.094" in failure.detail  # from junit.xml
+    by_id = {t.nodeid: t for t in e2e.tests}
+    assert by_id["tests/suites/test_demo.py::test_needs_gpu"].message == "needs a CUDA GPU"
+    assert by_id["tests/suites/test_demo.py::test_known_upstream"].outcome == "xfailed"
+    assert "tests/suites/test_demo.py::test_param[a/b]" in by_id
+    (mypy,) = _cell(built, "lint").failures
+    assert (mypy.nodeid, mypy.message) == ("command: mypy", "Returned code 1")
+
+
+def test_engine_starts_and_figures(built):
+    e2e = _cell(built, "e2e-cpu")
+    assert e2e.describe_starts() == "1 (22 s)"
+    figures = {f["name"]: f for f in e2e.figures}
+    assert report.figure_verdict(figures["layout.block_size"]) == "within"
+    assert report.figure_verdict(figures["repeat.logprob_delta"]) == "outside"
+    assert report.figure_verdict(figures["layout.kv_groups"]) == ""
+    # issue 13's optional compile seconds are read where present
+    assert _cell(built, "offload-tp1(simple)").describe_starts() == "1 (30 s), 12 s compiling"
+
+
+def test_markdown_is_short_and_escaped(built):
+    text = report.markdown(built)
+    assert len(text.encode()) < 64 * 1024  # GitHub's step summary takes 1 MiB, annotate 1 MiB
+    lines = text.splitlines()
+    assert f"{built.headline()}." in lines
+    row = next(line for line in lines if line.startswith("| `e2e-tp1(deep_gemm)`"))
+    assert "skipped: e2e-tp1 needs 1 GPU(s)" in row
+    failure = next(line for line in lines if "test_greedy_repeat" in line)
+    # a pipe in a message does not split the table; HTML in it is not rendered
+    assert "\\| at step 3 &lt;b&gt;" in failure
+    assert len(re.findall(r"(?<!\\)\|", failure)) == 4  # three columns
+    assert any("repeat.logprob_delta" in line and "outside" in line for line in lines)
+    for cell in built.cells:
+        assert any(line.startswith(f"| `{cell.id}") for line in lines), cell.id
+
+
+def test_merged_junit_names_every_test_with_its_cell(built, tmp_path):
+    path = tmp_path / "junit.xml"
+    report.merged_junit(built).write(str(path))
+    xml = JUnitXml.fromfile(str(path))
+    suites = {suite.name: suite for suite in xml}
+    assert "e2e-tp2(flashinfer)" not in suites  # not run: nothing to report
+    cases = [(suite.name, case) for suite in xml for case in suite]
+    assert all(case.classname.startswith(name) for name, case in cases)
+    names = [(case.classname, case.name) for _, case in cases]
+    assert len(names) == len(set(names))
+    e2e = {case.name: case for case in suites["e2e-cpu"]}
+    assert e2e["test_greedy_repeat"].classname == "e2e-cpu.tests.suites.test_demo"
+    assert e2e["test_greedy_repeat"].is_failure
+    assert e2e["test_needs_gpu"].is_skipped
+    assert suites["unit"].tests == 2 and suites["unit"].failures == 0
+    assert [c.name for c in suites["lint"] if c.is_failure] == ["command: mypy"]
+    (preflight,) = suites["e2e-tp1(deep_gemm)"]
+    assert preflight.is_skipped and "needs 1 GPU(s)" in preflight.result[0].message
+    assert any(c.is_error for c in suites["pd-nixl-cpu"])
+    assert any(c.is_error for c in suites["offload-tp1(simple)"])
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_write_is_atomic_and_never_touches_the_results(tree, tmp_path):
+    before = _digest(tree)
+    out = tmp_path / "report"
+    out.mkdir()
+    (out / "report.png").write_bytes(b"a screenshot of an earlier report")
+    written = report.write(report.collect(results_tree.matrix(), tree), out)
+    assert [p.name for p in written] == list(report.FILES)
+    assert sorted(p.name for p in out.iterdir()) == sorted([*report.FILES, "report.png"])
+    assert _digest(tree) == before
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "glm5_matrix.cli", "report", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        timeout=120,
+    )
+
+
+def test_cli_writes_into_results_report_and_leaves_it_out_of_the_cells(tree, tmp_path):
+    copy = tmp_path / "results"
+    subprocess.run(["cp", "-r", str(tree), str(copy)], check=True)
+    first = _cli(str(copy))
+    assert first.returncode == 0, first.stderr
+    second = _cli(str(copy))  # the report folder from the first run is not a cell
+    assert "18 cells:" in second.stdout, second.stdout
+    assert (copy / "report" / "report.html").is_file()
+    assert json.loads((copy / "unit" / "results.json").read_text())["exit_status"] == 0
+
+
+def test_cli_refuses_a_missing_folder_in_one_line(tmp_path):
+    result = _cli(str(tmp_path / "nowhere"))
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0
+    assert "results folder not found" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("data", "label"),
+    [
+        ({"exit_status": 5, "tests": {}, "outcomes": {}}, "failed: no tests ran (pytest exit 5)"),
+        ({"exit_status": 2, "tests": {}, "outcomes": {}}, "failed: exit status 2"),
+        (
+            {"exit_status": 0, "tests": {"t.py::a": {"outcome": "skipped", "reason": "r"}}},
+            "skipped: r",
+        ),
+        ({"exit_status": 0, "complete": True, "tests": {}}, "passed"),
+    ],
+)
+def test_status_rules(tmp_path, data, label):
+    folder = tmp_path / "unit"
+    folder.mkdir()
+    (folder / "results.json").write_text(json.dumps(data))
+    built = report.collect(results_tree.matrix(), tmp_path)
+    assert _cell(built, "unit").label == label
+
+
+def test_an_unreadable_results_json_is_interrupted_not_a_crash(tmp_path):
+    folder = tmp_path / "unit"
+    folder.mkdir()
+    (folder / "results.json").write_text('{"cell": ')
+    built = report.collect(results_tree.matrix(), tmp_path)
+    assert _cell(built, "unit").label.startswith("interrupted: results.json unreadable")
+
+
+def test_nox_session_builds_the_report(tree, tmp_path):
+    """`nox -s report -- RESULTS --output DIR` for real: the tool runs in the harness env."""
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nox",
+            "-f",
+            str(ROOT / "noxfile.py"),
+            "-s",
+            "report",
+            "--",
+            str(tree),
+            "--output",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={k: v for k, v in os.environ.items() if not k.startswith("GLM5_")},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "18 cells: 2 passed, 2 failed" in result.stdout
+    assert sorted(p.name for p in out.iterdir()) == sorted(report.FILES)
