@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from glm5_matrix.errors import UserError
 
 # Each module exposes register(subparsers), which adds its subcommand(s) and sets `func`.
-_COMMAND_MODULES = ("glm5_matrix.checkpoints", "glm5_matrix.layout")
+_COMMAND_MODULES = ("glm5_matrix.checkpoints", "glm5_matrix.layout", "glm5_matrix.kernel_archive")
 
 
 def build_parser() -> argparse.ArgumentParser:
