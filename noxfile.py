@@ -9,6 +9,7 @@ environment is built; the runner then builds the cell's own uv venv.
     nox -s e2e-cpu               # a cell;  nox -s "e2e-tp1(deep_gemm)"  one of its variants
     nox -t kv-simple             # cells by tag
     nox -s e2e-tp1 -- --model /ckpt/GLM-5.3-Flash-4L --vllm 0.33.1 -k layout
+    nox -s warm -- -t gpu        # compile what the GPU cells need into the kernel cache first
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import nox
 
 sys.path.insert(0, str(Path(__file__).parent / "src"))
 
-from glm5_matrix import environments, hardware, runner
+from glm5_matrix import environments, hardware, runner, warm
 from glm5_matrix.errors import UserError
 from glm5_matrix.matrix import Cell, Matrix
 
@@ -81,6 +82,13 @@ def lock(session: nox.Session) -> None:
             session.error(f"unknown environment {name!r} (envs: {', '.join(sorted(envs))})")
         path = environments.lock(envs[name], run=lambda cmd: session.run(*cmd, external=True))
         session.log(f"wrote {path}")
+
+
+@nox.session(name="warm", tags=["meta"])
+def warm_session(session: nox.Session) -> None:
+    """Compile what the selected cells need into this machine's kernel cache (-- -t gpu, or cells;
+    --export FILE)."""
+    warm.run(session, MATRIX)
 
 
 @nox.session(tags=["meta"])

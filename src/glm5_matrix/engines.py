@@ -318,13 +318,13 @@ class Engine:
             return bool(self.llm.reset_prefix_cache(reset_connector=True))
         return bool(self.llm.reset_prefix_cache())
 
-    def reset_prefix_cache_when_stored(self, bound_s: float) -> float:
+    def reset_prefix_cache_when_stored(self, bound_s: float, reset_connector: bool = False) -> float:
         """reset_prefix_cache() once vLLM accepts it: with an offload connector the stores
         complete asynchronously and the reset is refused while blocks are in flight. Polls
         (bounded; an empty step lets the engine collect finished stores) and returns how long it
         took; TimeoutError after `bound_s`."""
         started = time.monotonic()
-        while not self.reset_prefix_cache():
+        while not self.reset_prefix_cache(reset_connector=reset_connector):
             if time.monotonic() - started > bound_s:
                 raise TimeoutError(f"reset_prefix_cache() still refused after {bound_s:.0f} s")
             self.generate_greedy([1], 1)

@@ -10,12 +10,13 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from glm5_matrix import context as cell_context
-from glm5_matrix import environments, hardware, results, weights
+from glm5_matrix import environments, hardware, kernel_archive, kernel_cache, results, weights
 from glm5_matrix.errors import UserError
 from glm5_matrix.matrix import MATRIX_FILE, Matrix, Variant, load_matrix
 from glm5_matrix.profiles import load_profile, repo_root
@@ -38,17 +39,20 @@ class RunOptions:
     model: str | None
     vllm: str | None
     pytest_args: tuple[str, ...]
+    kernel_archive: str | None = None
 
 
 def parse_posargs(posargs: list[str], environ: dict[str, str]) -> RunOptions:
     parser = argparse.ArgumentParser(prog="nox -s CELL --", add_help=False)
     parser.add_argument("--model", help="checkpoint directory (else GLM5_PRUNED_MODEL / MODEL)")
     parser.add_argument("--vllm", help="vLLM version, wheel or source checkout to test")
+    parser.add_argument("--kernel-archive", help="import this kernel cache archive first")
     known, rest = parser.parse_known_args(posargs)
     return RunOptions(
         model=known.model,
         vllm=known.vllm or environ.get(environments.VLLM_VARIABLE) or None,
         pytest_args=tuple(rest),
+        kernel_archive=known.kernel_archive,
     )
 
 
@@ -78,9 +82,12 @@ def resolve_weights(
     return cell_context.Weights(kind=default, source="profile")
 
 
+def results_base(environ: Mapping[str, str]) -> Path:
+    return Path(environ.get(RESULTS_VARIABLE) or repo_root() / "results")
+
+
 def results_dir(variant: Variant, environ: dict[str, str]) -> Path:
-    base = Path(environ.get(RESULTS_VARIABLE) or repo_root() / "results")
-    return base / variant.slug
+    return results_base(environ) / variant.slug
 
 
 def venv_dir(variant: Variant, environ: dict[str, str]) -> Path:
@@ -88,11 +95,21 @@ def venv_dir(variant: Variant, environ: dict[str, str]) -> Path:
     return base / variant.slug
 
 
-def run_variant(session: Any, variant: Variant) -> None:
-    """Everything a cell session does. `session` is a nox.Session."""
+def run_variant(
+    session: Any,
+    variant: Variant,
+    *,
+    posargs: Sequence[str] | None = None,
+    tests: Sequence[str] | None = None,
+    out: Path | None = None,
+    environment: Mapping[str, str] | None = None,
+) -> kernel_cache.KernelCache | None:
+    """Everything a cell session does. `session` is a nox.Session. The warm step runs a cell
+    with its own `tests` (the warm suite), results folder `out` and extra `environment`.
+    Returns the cell's kernel cache (None for a cell that starts no engine)."""
     environ = dict(os.environ)
     try:
-        options = parse_posargs(list(session.posargs), environ)
+        options = parse_posargs(list(session.posargs if posargs is None else posargs), environ)
         model_source = resolve_weights(variant, options.model, environ)
         found = hardware.detect(environ)
         verdict = hardware.check(variant.cell, found)
@@ -108,13 +125,25 @@ def run_variant(session: Any, variant: Variant) -> None:
             override,
             run=lambda cmd: session.run(*cmd, external=True),
         )
+        cell_environment = {**built.environment, **variant.cell.environment}
+        kernels = None
+        if variant.cell.tests and variant.cell.profile:
+            kernels = kernel_cache.for_interpreter(built.python, {**environ, **cell_environment})
+            if options.kernel_archive:
+                imported = kernel_archive.import_archive(Path(options.kernel_archive), kernels)
+                session.log(f"kernel cache: imported {imported.describe()}")
+                for warning in imported.warnings:
+                    session.warn(f"kernel cache: {warning}")
     except UserError as exc:
         session.error(str(exc))
     session.log(f"hardware: {verdict.reason}")
     session.log(f"weights: {model_source.describe()}")
     session.log(f"environment {variant.env}: {built.describe()}")
+    if kernels is not None:
+        guarded = kernel_cache.guard_enabled({**environ, **(environment or {})})
+        session.log(f"kernel cache: {kernels.describe()} (guard {'on' if guarded else 'off'})")
 
-    out = results_dir(variant, environ)
+    out = out or results_dir(variant, environ)
     out.mkdir(parents=True, exist_ok=True)
     ctx = cell_context.for_variant(
         variant,
@@ -122,11 +151,13 @@ def run_variant(session: Any, variant: Variant) -> None:
         results_dir=str(out),
         vllm=override.spec if override else None,
     )
-    ctx = replace(ctx, environment={**built.environment, **variant.cell.environment})
+    ctx = replace(ctx, environment=cell_environment)
     context_file = out / "context.json"
     results.write_json_atomic(context_file, asdict(ctx))
 
     run_env = dict(ctx.environment)
+    run_env.update(kernels.environment() if kernels is not None else {})
+    run_env.update(environment or {})
     run_env[cell_context.CONTEXT_VARIABLE] = str(context_file)
     run_env["GLM5_MATRIX_ROOT"] = str(repo_root())
     # The suites import the harness from the checkout and vLLM finds our plugin (the random
@@ -148,16 +179,18 @@ def run_variant(session: Any, variant: Variant) -> None:
             if executable is None:
                 session.error(f"{program} is not installed in the {variant.env} environment")
             session.run(executable, *arguments, env=run_env, external=True)
-        return
+        return kernels
     pytest = [
         str(built.python),
         "-m",
         "pytest",
-        *cell.tests,
+        *(cell.tests if tests is None else tests),
         "-p",
         "glm5_matrix.results",
         "-p",
         "glm5_matrix.known_failures",
+        "-p",
+        "glm5_matrix.kernel_guard",
         f"--junitxml={out / 'junit.xml'}",
         *options.pytest_args,
     ]
@@ -166,3 +199,4 @@ def run_variant(session: Any, variant: Variant) -> None:
         session.run(*pytest, env=run_env, external=True)
     finally:
         session.log(f"{variant.id}: {results.summarize(out)}")
+    return kernels
