@@ -1,6 +1,6 @@
 """Per-cell results: a pytest plugin that writes results.json (outcome and wall time per test,
-engine starts, the figures the suites measured), and the summary the runner prints at the end
-of a cell.
+engine starts and what each compiled, the figures the suites measured), and the summary the
+runner prints at the end of a cell.
 
 Engines and servers call record_engine_start() when one comes up; suites call record_figure()
 for each number they measure and judge (a block size against the planner's, a delta against
