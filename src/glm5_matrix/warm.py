@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -156,15 +157,18 @@ def run(session: Any, matrix: Matrix) -> None:
     try:
         for variant in variants:
             out = base / variant.slug
-            kernels = runner.run_variant(
-                session,
-                variant,
-                posargs=list(options.cell_args),
-                tests=(WARM_SUITE,),
-                out=out,
-                environment={kernel_cache.GUARD_VARIABLE: "0", LEDGER_VARIABLE: str(ledger)},
-            )
-            lines += summary_lines(variant, out)
+            shutil.rmtree(out, ignore_errors=True)  # nothing of an earlier run read as this one's
+            try:
+                kernels = runner.run_variant(
+                    session,
+                    variant,
+                    posargs=list(options.cell_args),
+                    tests=(WARM_SUITE,),
+                    out=out,
+                    environment={kernel_cache.GUARD_VARIABLE: "0", LEDGER_VARIABLE: str(ledger)},
+                )
+            finally:
+                lines += summary_lines(variant, out)
             if kernels is not None:
                 caches[kernels.directory] = kernels
     finally:
