@@ -172,38 +172,32 @@ class Engine:
         self._scratch = Path(tempfile.mkdtemp(prefix="glm5-matrix-engine-"))
         rpc_dir = self._scratch / "rpc"
         rpc_dir.mkdir()
-        # The library caches (vLLM's own included: model-class inspection, compiled graphs)
-        # point into the kernel cache; ZMQ socket files go to a scratch folder.
-        kernel_cache.ensure_active()
         environment = {
             **self.spec.environment,
             INSECURE_SERIALIZATION: "1",
+            # ZMQ socket files go to a scratch folder.
             "VLLM_RPC_BASE_PATH": str(rpc_dir),
         }
         for name, value in environment.items():
             self._saved_environment[name] = os.environ.get(name)
             os.environ[name] = value
         try:
+            # The library caches (vLLM's own included: model-class inspection, compiled
+            # graphs) point into the kernel cache, unless the runner did that already.
+            kernel_cache.ensure_active()
             # Imported before the clock starts: a once-per-process cost, not the engine's.
             from vllm import LLM
-        except BaseException:
-            self.shutdown()
-            raise
-        before = kernel_cache.snapshot()
-        started = time.monotonic()
-        try:
+
+            before = kernel_cache.snapshot()
+            started = time.monotonic()
             self._llm = LLM(model=self.spec.model, **self.spec.args, **jit_monitor_args(self.spec))
-        except BaseException:
-            self.shutdown()
-            raise
-        self.start_seconds = time.monotonic() - started
-        compiled = kernel_cache.written(before, kernel_cache.snapshot())
-        record_engine_start(
-            self.spec.label,
-            self.start_seconds,
-            compile=kernel_cache.compile_record(compiled, self._compile_seconds()),
-        )
-        try:
+            self.start_seconds = time.monotonic() - started
+            compiled = kernel_cache.written(before, kernel_cache.snapshot())
+            record_engine_start(
+                self.spec.label,
+                self.start_seconds,
+                compile=kernel_cache.compile_record(compiled, self._compile_seconds()),
+            )
             kernel_cache.refuse_compiled(compiled, f"the start of engine {self.spec.label}")
         except BaseException:
             self.shutdown()

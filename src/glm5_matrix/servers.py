@@ -209,17 +209,13 @@ class VllmServer:
             # The bound counts from launch, so servers launched together share it.
             left = self.startup_timeout - (time.monotonic() - self._launched_at)
             wait_healthy(self.url + "/health", self.proc, left, self.log_path)
-        except BaseException:
-            self.stop()
-            raise
-        self.startup_seconds = time.monotonic() - self._launched_at
-        compiled = kernel_cache.written(self._caches_before, kernel_cache.snapshot())
-        results.record_engine_start(
-            f"server:{self.label}",
-            self.startup_seconds,
-            compile=kernel_cache.compile_record(compiled, self.compile_seconds()),
-        )
-        try:
+            self.startup_seconds = time.monotonic() - self._launched_at
+            compiled = kernel_cache.written(self._caches_before, kernel_cache.snapshot())
+            results.record_engine_start(
+                f"server:{self.label}",
+                self.startup_seconds,
+                compile=kernel_cache.compile_record(compiled, self.compile_seconds()),
+            )
             kernel_cache.refuse_compiled(compiled, f"the start of server {self.label}")
         except BaseException:
             self.stop()
