@@ -312,7 +312,9 @@ class Engine:
             return bool(self.llm.reset_prefix_cache(reset_connector=True))
         return bool(self.llm.reset_prefix_cache())
 
-    def reset_prefix_cache_when_stored(self, bound_s: float, reset_connector: bool = False) -> float:
+    def reset_prefix_cache_when_stored(
+        self, bound_s: float, reset_connector: bool = False
+    ) -> float:
         """reset_prefix_cache() once vLLM accepts it: with an offload connector the stores
         complete asynchronously and the reset is refused while blocks are in flight. Polls
         (bounded; an empty step lets the engine collect finished stores) and returns how long it

@@ -4,9 +4,10 @@ what the cell compiles lands in the kernel cache before the cell runs with the g
 
 The configurations come from glm5_matrix.engine_configs, the functions the suites build their
 engines with; one already warmed in this warm run (by an earlier cell) is not started again.
-Per prompt of [warm]: a greedy request with top logprobs, then a one-token request without
-them that starts from the prefix cache; then a prefix-cache reset (waiting for offload stores)
-and the longest prompt again, which an offload connector serves from the CPU side.
+Per prompt of [warm]: a greedy request with top logprobs, a one-token request without them that
+starts from the prefix cache, and after a prefix-cache reset the first again steered off its
+first token (logit_bias, as the suites' runner-up controls); then a reset that waits for offload
+stores and the longest prompt again, which an offload connector serves from the CPU side.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from glm5_matrix import disagg, engine_configs, servers
+from glm5_matrix import disagg, engine_configs, judging, servers
 from glm5_matrix.context import CellContext
 from glm5_matrix.engine_configs import Config, ServerSpec, WarmLedger, warm_prompts
 from glm5_matrix.engines import Engine, EngineSpec, random_prompt
@@ -27,7 +28,7 @@ from glm5_matrix.results import record_figure
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("no_surviving_children")]
 
-TOP_LOGPROBS = 5
+TOP_LOGPROBS = judging.TOP_LOGPROBS  # what the suites ask for
 SEED = 7
 STORE_WAIT_S = 120.0
 REQUEST_TIMEOUT_S = 300.0
@@ -47,14 +48,17 @@ def _warm_engine(spec: EngineSpec, profile: Profile) -> tuple[str, float, int]:
         prompts = warm_prompts(profile, _block_size(engine.kv_layout()))
         for length, max_tokens in prompts:
             prompt = engine.random_prompt(length, SEED)
-            engine.generate_scored(prompt, max_tokens, TOP_LOGPROBS)
+            first = engine.generate_scored(prompt, max_tokens, TOP_LOGPROBS)
             engine.generate_greedy(prompt, 1)
+            engine.reset_prefix_cache_when_stored(STORE_WAIT_S)
+            bias = {first.token_ids[0]: -100.0}
+            engine.generate_scored(prompt, max_tokens, TOP_LOGPROBS, logit_bias=bias)
         engine.reset_prefix_cache_when_stored(STORE_WAIT_S)
         longest = max(length for length, _ in prompts)
         engine.generate_greedy(engine.random_prompt(longest, SEED), 1)
         seconds = time.monotonic() - started
     assert not engine.leftover_processes, engine.leftover_processes
-    return spec.label, seconds, 2 * len(prompts) + 1
+    return spec.label, seconds, 3 * len(prompts) + 1
 
 
 def _warm_server(spec: ServerSpec, profile: Profile, log_dir: Path) -> tuple[str, float, int]:
