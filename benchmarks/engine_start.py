@@ -12,6 +12,12 @@ warm step (e.g. `-- --model /ckpt`). Not a test: rerun it where the numbers matt
 temporary root is removed afterwards unless --keep. `--root DIR` (absent or empty) uses and keeps
 DIR instead: the default root (~/.cache/glm5-matrix/kernels) on a fresh machine measures cold
 against warm and leaves the cells a warm cache.
+
+    python benchmarks/engine_start.py --table results/warm results
+
+prints the same table from runs made already: the engine starts recorded under two results
+folders (here a first warm step on a fresh machine, then the cells themselves), for machines
+whose commands may not run long enough for both warm steps at once.
 """
 
 from __future__ import annotations
@@ -40,10 +46,15 @@ def warm_run(
     }
     command = [sys.executable, "-m", "nox", "-f", str(ROOT / "noxfile.py"), "-s", "warm"]
     subprocess.run([*command, "--", *selection, *extra], check=True, env=environ)
+    return recorded_starts(results / "warm")
+
+
+def recorded_starts(folder: Path) -> dict[str, dict[str, Any]]:
+    """{label: engine start entry} of every results.json under `folder` (the first of a label)."""
     starts: dict[str, dict[str, Any]] = {}
-    for path in sorted((results / "warm").glob("*/results.json")):
+    for path in sorted(folder.rglob("results.json")):
         for start in json.loads(path.read_text()).get("engine_starts", []):
-            starts[start["label"]] = start
+            starts.setdefault(start["label"], start)
     return starts
 
 
@@ -63,11 +74,20 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="also write the numbers to this file")
     parser.add_argument("--keep", action="store_true", help="keep the temporary kernel cache")
     parser.add_argument("--root", type=Path, help="an absent or empty kernel cache root to fill")
+    parser.add_argument(
+        "--table", nargs=2, type=Path, metavar=("COLD", "WARM"), help="runs made already"
+    )
     argv = sys.argv[1:]
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     selection = [*args.cells, *(f for t in args.tag for f in ("-t", t))] or ["-t", "gpu"]
 
+    if args.table:
+        missing = [str(d) for d in args.table if not d.is_dir()]
+        if missing:
+            sys.exit(f"engine_start.py: --table: {missing[0]}: folder not found")
+        cold, warm = (recorded_starts(d) for d in args.table)
+        return table(cold, warm, args.json)
     if args.root is not None and args.root.exists() and any(args.root.iterdir()):
         sys.exit(f"engine_start.py: --root {args.root} is not empty, so not cold")
     scratch = Path(tempfile.mkdtemp(prefix="glm5-engine-start-"))
@@ -80,7 +100,12 @@ def main() -> int:
             print(f"kept {scratch}")
         else:
             shutil.rmtree(scratch, ignore_errors=True)
+    return table(cold, warm, args.json)
 
+
+def table(
+    cold: dict[str, dict[str, Any]], warm: dict[str, dict[str, Any]], json_file: Path | None
+) -> int:
     labels = list(dict.fromkeys([*cold, *warm]))
     width = max([len("configuration"), *(len(label) for label in labels)])
     print(f"\n{'configuration':<{width}}  {'cold s':>8}  {'warm s':>8}  compiled cold | warm")
@@ -91,8 +116,8 @@ def main() -> int:
         ws = f"{w['seconds']:.1f}" if w else "-"
         print(f"{label:<{width}}  {cs:>8}  {ws:>8}  {compiled(c)} | {compiled(w)}")
         rows.append({"configuration": label, "cold": c, "warm": w})
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    if json_file is not None:
+        json_file.write_text(json.dumps(rows, indent=2) + "\n")
     return 0
 
 
