@@ -49,7 +49,11 @@ is what makes two cells at once safe without a lock of ours:
   (tilelang/cache/kernel_cache.py:166-171, 467-473, 539).
 - VLLM_CACHE_ROOT (vllm/envs.py:714, default ~/.cache/vllm): torch.compile artifacts
   (compilation/backends.py:1096), the model-class inspection cache (modelinfos,
-  models/registry.py:1013), FlashInfer autotune results (warmup/flashinfer_autotune_cache.py:50).
+  models/registry.py:1013), FlashInfer autotune results (warmup/flashinfer_autotune_cache.py:50,
+  temp file + os.replace at :164-171). The AOT-compiled model is written to a temp file and
+  replaced (compilation/decorators.py:747-750), but the torch.compile cache's index is written in
+  place (compilation/backends.py:231-236): two compiled-mode engines of one configuration
+  starting at the same moment may race on it (the only case here that is not write-safe).
 - TORCH_EXTENSIONS_DIR (torch/utils/cpp_extension.py:2813): torch C++ extensions (vLLM's NCCL
   allocator only); CUDA_CACHE_PATH: the driver's PTX JIT cache (default ~/.nv/ComputeCache).
 
