@@ -99,6 +99,16 @@ def runnable(variants: list[Variant], found: hardware.Hardware) -> tuple[list[Va
     return keep, left_out
 
 
+def _by_label(data: dict[str, Any], name: str) -> dict[str, Any]:
+    """{label: value} of the figures named `name[label]`."""
+    prefix = name + "["
+    return {
+        f["name"][len(prefix) : -1]: f["value"]
+        for f in data.get("figures", [])
+        if f["name"].startswith(prefix) and f["name"].endswith("]")
+    }
+
+
 def summary_lines(variant: Variant, out: Path) -> list[str]:
     """What the warm suite recorded for a cell: per configuration, seconds to ready and the
     files compiled, the warm requests' seconds, or which earlier cell warmed it."""
@@ -106,11 +116,8 @@ def summary_lines(variant: Variant, out: Path) -> list[str]:
     if not path.is_file():
         return [f"{variant.id}: no {RESULTS_FILE} (the warm suite did not finish)"]
     data = json.loads(path.read_text())
-    requests = {
-        f["name"][len("warm.requests_s[") : -1]: f["value"]
-        for f in data.get("figures", [])
-        if f["name"].startswith("warm.requests_s[")
-    }
+    requests = _by_label(data, "warm.requests_s")
+    request_compiles = _by_label(data, "warm.requests_compiled")
     lines = []
     for start in data.get("engine_starts", []):
         compiled = start.get("compile") or {}
@@ -124,6 +131,10 @@ def summary_lines(variant: Variant, out: Path) -> list[str]:
             line += f" (torch.compile {torch_compile:.1f} s)"
         if start["label"] in requests:
             line += f"; warm requests {requests[start['label']]:.1f} s"
+        if start["label"] in request_compiles:
+            counts = request_compiles[start["label"]] or {}
+            done = ", ".join(f"{name} {n}" for name, n in sorted(counts.items())) or "nothing"
+            line += f", compiled: {done}"
         lines.append(line)
     for figure in data.get("figures", []):
         if figure["name"] == "warm.deduplicated":

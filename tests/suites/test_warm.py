@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from glm5_matrix import disagg, engine_configs, judging, servers
+from glm5_matrix import disagg, engine_configs, judging, kernel_cache, servers
 from glm5_matrix.context import CellContext
 from glm5_matrix.engine_configs import Config, ServerSpec, WarmLedger, warm_prompts
 from glm5_matrix.engines import Engine, EngineSpec, random_prompt
@@ -39,11 +39,21 @@ def _block_size(layout: dict) -> int:
     return max(g["block_size"] for g in layout["groups"] if g.get("prefix_cacheable", True))
 
 
+def _record_request_compiles(label: str, before: kernel_cache.Snapshot) -> None:
+    """What the warm requests compiled after the start (kernels built at first use of a shape):
+    per library, files written."""
+    changed = kernel_cache.written(before, kernel_cache.snapshot())
+    counts = {name: len(paths) for name, paths in sorted(changed.items()) if paths}
+    print(f"{label}: the warm requests compiled {counts or 'nothing'}")
+    record_figure(f"warm.requests_compiled[{label}]", counts, unit="files")
+
+
 def _warm_engine(spec: EngineSpec, profile: Profile) -> tuple[str, float, int]:
     """Start the engine, send the warm requests, stop it: (the label its start was recorded
     under, seconds of requests, requests)."""
     with Engine(spec) as engine:
         print(f"{spec.label} up in {engine.start_seconds:.1f} s")
+        before = kernel_cache.snapshot()
         started = time.monotonic()
         prompts = warm_prompts(profile, _block_size(engine.kv_layout()))
         for length, max_tokens in prompts:
@@ -57,6 +67,7 @@ def _warm_engine(spec: EngineSpec, profile: Profile) -> tuple[str, float, int]:
         longest = max(length for length, _ in prompts)
         engine.generate_greedy(engine.random_prompt(longest, SEED), 1)
         seconds = time.monotonic() - started
+        _record_request_compiles(spec.label, before)
     assert not engine.leftover_processes, engine.leftover_processes
     return spec.label, seconds, 3 * len(prompts) + 1
 
@@ -75,6 +86,7 @@ def _warm_server(spec: ServerSpec, profile: Profile, log_dir: Path) -> tuple[str
     config = json.loads((Path(spec.model) / "config.json").read_text())
     vocab = int(config.get("vocab_size") or config["text_config"]["vocab_size"])
     with server:
+        before = kernel_cache.snapshot()
         started = time.monotonic()
         block = int(disagg.cache_config(disagg.fetch_metrics(server.url))["block_size"])
         prompts = warm_prompts(profile, block)
@@ -90,6 +102,7 @@ def _warm_server(spec: ServerSpec, profile: Profile, log_dir: Path) -> tuple[str
                     top_logprobs=top,
                 )
         seconds = time.monotonic() - started
+        _record_request_compiles(f"server:{spec.label}", before)
     assert server.group_members_left() == [], "the warm server left processes behind"
     return f"server:{spec.label}", seconds, 2 * len(prompts)
 

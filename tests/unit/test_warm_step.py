@@ -68,6 +68,7 @@ def test_summary_lines_per_configuration(tmp_path: Path) -> None:
                 ],
                 "figures": [
                     {"name": f"warm.requests_s[{label}]", "value": 35.25},
+                    {"name": f"warm.requests_compiled[{label}]", "value": {"inductor": 6}},
                     {"name": "warm.deduplicated", "value": "x:dflash-tp1 (warmed by e2e)"},
                 ],
             }
@@ -76,7 +77,7 @@ def test_summary_lines_per_configuration(tmp_path: Path) -> None:
     lines = warm.summary_lines(variant, tmp_path)
     assert lines[0] == (
         f"e2e-tp1(deep_gemm): {label} ready in 246.7 s; compiled: flashinfer 6, tilelang 30; "
-        "warm requests 35.2 s"
+        "warm requests 35.2 s, compiled: inductor 6"
     )
     assert lines[1] == "e2e-tp1(deep_gemm): server:old ready in 3.0 s; compiled: not measured"
     assert lines[2] == "e2e-tp1(deep_gemm): x:dflash-tp1 (warmed by e2e): not started again"
