@@ -13,6 +13,8 @@ environment is built; the runner then builds the cell's own uv venv.
     nox -s report                # the matrix report from results/ (results/report/)
     nox -s pipeline -- buildkite # a CI pipeline from the matrix (or -- github)
 
+    nox -s warm -- -t gpu        # compile what the GPU cells need into the kernel cache first
+
 Every cell allows nox's parallel mode (-j): a GPU cell leases its GPUs before it builds
 anything (glm5_matrix.leases), so parallel cells never share one. plan, lock and bench run alone.
 """
@@ -26,7 +28,7 @@ import nox
 
 sys.path.insert(0, str(Path(__file__).parent / "src"))
 
-from glm5_matrix import environments, hardware, runner, tools
+from glm5_matrix import environments, hardware, runner, tools, warm
 from glm5_matrix.errors import UserError
 from glm5_matrix.matrix import Cell, Matrix
 
@@ -89,6 +91,13 @@ def lock(session: nox.Session) -> None:
             session.error(f"unknown environment {name!r} (envs: {', '.join(sorted(envs))})")
         path = environments.lock(envs[name], run=lambda cmd: session.run(*cmd, external=True))
         session.log(f"wrote {path}")
+
+
+@nox.session(name="warm", tags=["meta"])
+def warm_session(session: nox.Session) -> None:
+    """Compile what the selected cells need into this machine's kernel cache (-- -t gpu, or cells;
+    --export FILE)."""
+    warm.run(session, MATRIX)
 
 
 @nox.session(tags=["meta"])

@@ -1,5 +1,6 @@
 """The harness's cache: folders it generates once and reuses (the tiny hybrid model, synthesized
-drafters) and vLLM's own caches for the engines it starts.
+drafters). The compiled kernels of the engines it starts live under it too, in their own
+module (glm5_matrix.kernel_cache).
 
 Root: $GLM5_MATRIX_CACHE, else ~/.cache/glm5-matrix. A generated folder is written into a staging
 folder beside its final name and renamed into place, so a reader sees a whole folder or none, and
@@ -25,11 +26,6 @@ def cache_root() -> Path:
 def models_dir() -> Path:
     """Where generated models (and drafters) live."""
     return cache_root() / "models"
-
-
-def vllm_cache_dir() -> Path:
-    """VLLM_CACHE_ROOT of the engines the harness starts (compiled graphs, class inspection)."""
-    return cache_root() / "vllm"
 
 
 def ensure_folder(target: Path, write: Callable[[Path], None], complete: str) -> Path:

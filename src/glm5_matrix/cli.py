@@ -16,6 +16,7 @@ _COMMAND_MODULES = (
     "glm5_matrix.guards",
     "glm5_matrix.report",
     "glm5_matrix.pipelines",
+    "glm5_matrix.kernel_archive",
 )
 
 

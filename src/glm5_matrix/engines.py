@@ -2,8 +2,16 @@
 
 An Engine is built from the cell's profile: the model (the tiny hybrid, a checkpoint, or the
 profile's config with glm5-random weights), the profile's [engine] arguments, and the cell's
-settings (`cell_engine_args`: tensor parallelism, the MoE backend of the matrix axis). It is a context manager that always shuts vLLM down (vLLM's own shutdown API, then a
-bounded wait for the child processes it started; any left are killed by id and reported).
+settings (`cell_engine_args`: tensor parallelism, the MoE backend of the matrix axis, the mode:
+eager, or compiled with CUDA graphs). It is a context manager that always shuts vLLM down
+(vLLM's own shutdown API, then a bounded wait for the child processes it started; any left are
+killed by id and reported).
+
+Every start runs against the kernel cache (glm5_matrix.kernel_cache) and records, beside its
+seconds to ready, what it compiled: the cache files each library added, and the torch.compile
+seconds vLLM reports. With the kernel guard on, a start that compiled fails naming the files,
+and an engine in compiled mode runs vLLM's jit monitor in error mode (vLLM activates it only
+when it warms up JIT kernels itself, i.e. not with enforce_eager).
 
 Worker-side reads (KV layout, block tables, cache pages) go through `LLM.collective_rpc` with
 module-level functions of this module, which needs VLLM_ALLOW_INSECURE_SERIALIZATION=1: the
@@ -28,8 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from glm5_matrix import processes
-from glm5_matrix.cache import vllm_cache_dir
+from glm5_matrix import kernel_cache, processes
 from glm5_matrix.compare import GreedyOutput
 from glm5_matrix.context import CellContext
 from glm5_matrix.errors import UserError
@@ -40,6 +47,8 @@ INSECURE_SERIALIZATION = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 SHUTDOWN_TIMEOUT_S = 30.0
 # Engine args the harness decides itself; a profile that sets them is refused.
 _HARNESS_ARGS = {"model", "tensor_parallel_size", "load_format"}
+# The cell setting `mode`: what vLLM's enforce_eager is in each.
+MODES = {"eager": True, "compiled": False}
 
 
 @dataclass(frozen=True)
@@ -96,10 +105,17 @@ def resolve_model(cell: CellContext, profile: Profile) -> tuple[str, dict[str, A
 
 
 def cell_engine_args(cell: CellContext, profile: Profile | None = None) -> dict[str, Any]:
-    """Engine args that come from the cell rather than the profile: TP and the MoE backend."""
+    """Engine args that come from the cell rather than the profile: TP, the MoE backend, and
+    the mode (`eager`: enforce_eager; `compiled`: vLLM's default torch.compile and CUDA
+    graphs, the mode users serve)."""
     args: dict[str, Any] = {}
     if cell.tp is not None and cell.tp > 1:
         args["tensor_parallel_size"] = cell.tp
+    mode = cell.setting("mode")
+    if mode is not None:
+        if mode not in MODES:
+            raise UserError(f"cell {cell.id}: mode {mode!r} is not one of {', '.join(MODES)}")
+        args["enforce_eager"] = MODES[mode]
     backend = cell.setting("moe_backend")
     if backend is not None:
         if profile is None:
@@ -161,33 +177,46 @@ class Engine:
         environment = {
             **self.spec.environment,
             INSECURE_SERIALIZATION: "1",
-            # vLLM's caches (model-class inspection, compiled graphs) persist in the harness
-            # cache, which saves ~15 s per start; ZMQ socket files go to a scratch folder.
-            "VLLM_CACHE_ROOT": str(vllm_cache_dir()),
+            # ZMQ socket files go to a scratch folder.
             "VLLM_RPC_BASE_PATH": str(rpc_dir),
         }
         for name, value in environment.items():
             self._saved_environment[name] = os.environ.get(name)
             os.environ[name] = value
         try:
+            # The library caches (vLLM's own included: model-class inspection, compiled
+            # graphs) point into the kernel cache, unless the runner did that already.
+            kernel_cache.ensure_active()
             # Imported before the clock starts: a once-per-process cost, not the engine's.
             from vllm import LLM
+
+            before = kernel_cache.snapshot()
+            started = time.monotonic()
+            self._llm = LLM(model=self.spec.model, **self.spec.args, **jit_monitor_args(self.spec))
+            self.start_seconds = time.monotonic() - started
+            compiled = kernel_cache.written(before, kernel_cache.snapshot())
+            record_engine_start(
+                self.spec.label,
+                self.start_seconds,
+                compile=kernel_cache.compile_record(compiled, self._compile_seconds()),
+            )
+            kernel_cache.refuse_compiled(compiled, f"the start of engine {self.spec.label}")
         except BaseException:
             self.shutdown()
             raise
-        started = time.monotonic()
-        try:
-            self._llm = LLM(model=self.spec.model, **self.spec.args)
-        except BaseException:
-            self.shutdown()
-            raise
-        self.start_seconds = time.monotonic() - started
-        record_engine_start(self.spec.label, self.start_seconds)
         # The engine core: the children this process gained (the workers are below it).
         cores = (
             set(processes.live_children()) - self._children_before - processes.stdlib_helper_pids()
         )
         self._watch = EngineCoreWatch(self._llm, cores)
+
+    def _compile_seconds(self) -> float | None:
+        """vLLM's own report of the start's torch.compile seconds (the slowest worker's), or
+        None when it cannot be read."""
+        try:
+            return max(float(s) for s in self.rpc(worker_compilation_seconds))
+        except Exception:  # accounting only: never fail a start over it
+            return None
 
     def shutdown(self) -> None:
         """Stop the engine (vLLM's API), wait for its processes, kill and report leftovers."""
@@ -293,6 +322,21 @@ class Engine:
             return bool(self.llm.reset_prefix_cache(reset_connector=True))
         return bool(self.llm.reset_prefix_cache())
 
+    def reset_prefix_cache_when_stored(
+        self, bound_s: float, reset_connector: bool = False
+    ) -> float:
+        """reset_prefix_cache() once vLLM accepts it: with an offload connector the stores
+        complete asynchronously and the reset is refused while blocks are in flight. Polls
+        (bounded; an empty step lets the engine collect finished stores) and returns how long it
+        took; TimeoutError after `bound_s`."""
+        started = time.monotonic()
+        while not self.reset_prefix_cache(reset_connector=reset_connector):
+            if time.monotonic() - started > bound_s:
+                raise TimeoutError(f"reset_prefix_cache() still refused after {bound_s:.0f} s")
+            self.generate_greedy([1], 1)
+            time.sleep(0.5)
+        return time.monotonic() - started
+
     def rpc(self, function: Any, *args: Any) -> list[Any]:
         """Run `function(worker, *args)` on every worker; one result per worker."""
         return list(self.llm.collective_rpc(function, args=args))
@@ -382,6 +426,15 @@ def with_other_tokens(
         token = rng.randrange(vocab_size - 1)
         out[i] = token if token < out[i] else token + 1
     return out
+
+
+def jit_monitor_args(spec: EngineSpec) -> dict[str, Any]:
+    """vLLM's jit monitor in error mode when the kernel guard asks for it (see
+    kernel_cache.jit_monitor_mode), unless the spec sets the mode itself."""
+    if "jit_monitor_mode" in spec.args:
+        return {}
+    mode = kernel_cache.jit_monitor_mode(bool(spec.args.get("enforce_eager")))
+    return {} if mode is None else {"jit_monitor_mode": mode}
 
 
 def resolve_class(qualified_name: str) -> type:
@@ -611,6 +664,11 @@ def worker_moe_backends(worker: Any) -> dict[str, list[str]]:
         if backend is not None:
             backends.setdefault(getattr(backend, "name", str(backend)), []).append(name)
     return backends
+
+
+def worker_compilation_seconds(worker: Any) -> float:
+    """The torch.compile seconds this worker's start took, as vLLM counts them (0 in eager)."""
+    return float(getattr(worker.vllm_config.compilation_config, "compilation_time", 0.0) or 0.0)
 
 
 def worker_scheduler_limits(worker: Any) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """Per-cell results: a pytest plugin that writes results.json (outcome and wall time per test,
-engine starts, the figures the suites measured, the first line of each failure, whether the run
-completed and how it ended), the same file for a cell that runs commands instead of pytest (lint)
-and for a cell that preflight skipped, the record of a run that ended early, and the summary the
-runner prints at the end of a cell.
+engine starts and what each compiled, the figures the suites measured, the first line of each
+failure, whether the run completed and how it ended), the same file for a cell that runs
+commands instead of pytest (lint) and for a cell that preflight skipped, the record of a run that
+ended early, and the summary the runner prints at the end of a cell.
 
 Engines and servers call record_engine_start() when one comes up; suites call record_figure()
 for each number they measure and judge (a block size against the planner's, a delta against
@@ -46,6 +46,17 @@ class EngineStart:
     label: str
     seconds: float
     test: str | None
+    # What the start compiled (glm5_matrix.kernel_cache.compile_record): "seconds", the
+    # torch.compile time vLLM reports (null when unknown; the kernel JITs of FlashInfer, Triton,
+    # TileLang and DeepGEMM are not timed by their libraries), and "entries_added", the files
+    # each library's cache gained or rewrote during the start. Left out when not measured.
+    compile: dict[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        if data["compile"] is None:
+            del data["compile"]
+        return data
 
 
 @dataclass
@@ -72,9 +83,10 @@ class _State:
 _STATE = _State()
 
 
-def record_engine_start(label: str, seconds: float) -> None:
-    """Record that an engine or server `label` came up after `seconds` of start-up."""
-    _STATE.engine_starts.append(EngineStart(label, round(seconds, 2), _STATE.current_test))
+def record_engine_start(label: str, seconds: float, compile: dict[str, Any] | None = None) -> None:
+    """Record that an engine or server `label` came up after `seconds` of start-up, and what
+    it compiled meanwhile when that was measured."""
+    _STATE.engine_starts.append(EngineStart(label, round(seconds, 2), _STATE.current_test, compile))
     if _STATE.on_record is not None:
         _STATE.on_record()
 
@@ -203,7 +215,7 @@ class ResultsPlugin:
                 "wall_seconds": round(time.monotonic() - self.started, 2),
                 "outcomes": count_outcomes(tests),
                 "tests": tests,
-                "engine_starts": [asdict(s) for s in _STATE.engine_starts],
+                "engine_starts": [s.to_json() for s in _STATE.engine_starts],
                 "figures": [asdict(f) for f in _STATE.figures],
                 "versions": installed_versions(),
             },
@@ -468,8 +480,12 @@ def summarize(results_dir: Path) -> str:
     outcomes = ", ".join(f"{n} {k}" for k, n in sorted(data["outcomes"].items())) or "no tests"
     starts = data["engine_starts"]
     start_seconds = sum(s["seconds"] for s in starts)
+    compiled = [s["compile"]["entries_added"] for s in starts if s.get("compile")]
+    files = (
+        f", {sum(sum(c.values()) for c in compiled)} kernel file(s) compiled" if compiled else ""
+    )
     line = (
-        f"{outcomes}; {len(starts)} engine start(s) ({start_seconds:.0f} s); "
+        f"{outcomes}; {len(starts)} engine start(s) ({start_seconds:.0f} s{files}); "
         f"wall {data['wall_seconds']:.0f} s -> {results_dir / RESULTS_FILE}"
     )
     if not data.get("complete", True):

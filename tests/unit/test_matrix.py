@@ -18,6 +18,7 @@ ENVS = {"cpu", "cuda", "harness"}
 GPU_VARIANTS = {
     "e2e-tp1(deep_gemm)",
     "e2e-tp1(flashinfer)",
+    "e2e-tp1-graphs",
     "e2e-tp2(deep_gemm)",
     "e2e-tp2(flashinfer)",
     "e2e-tp4(deep_gemm)",

@@ -181,3 +181,72 @@ def test_unreachable_torch_index_is_one_line_before_building(tmp_path):
     assert "GLM5_MATRIX_TORCH_SOURCE" in lines[0]
     assert "Failed to read" not in result.stderr and "uv venv" not in result.stderr
     assert not (tmp_path / "venvs").exists()
+
+
+def test_warm_without_cells_or_tags_is_one_line():
+    result = nox("-s", "warm")
+    assert result.returncode != 0
+    assert "name the cells to warm, or tags: nox -s warm -- -t gpu" in result.stderr
+
+
+def test_warm_skips_what_this_box_cannot_run(tmp_path):
+    result = nox(
+        "-s", "warm", "--", "-t", "gpu", GLM5_MATRIX_GPUS="", GLM5_MATRIX_RESULTS=str(tmp_path)
+    )
+    assert result.returncode == 0, result.stderr
+    assert "warm: skips e2e-tp1 needs 1 GPU(s)" in result.stderr
+    assert "Session warm skipped: nothing to warm on this machine" in result.stderr
+    strict = nox("-s", "warm", "--", "offload-tp1", GLM5_MATRIX_GPUS="", GLM5_MATRIX_STRICT="1")
+    assert strict.returncode != 0
+    assert "offload-tp1 needs 1 GPU(s)" in strict.stderr and "GLM5_MATRIX_STRICT" in strict.stderr
+
+
+def test_a_kernel_archive_for_another_gpu_is_refused_before_the_suites(tmp_path):
+    """The layout cell in an interpreter given as is (nothing built): its kernel cache key is
+    this interpreter's with no GPU, so an archive built for sm90 is refused in one line."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from glm5_matrix import kernel_archive, kernel_cache
+
+    key = {**kernel_cache.interpreter_versions(), "gpu_arch": "sm90"}
+    source = kernel_cache.prepare(
+        kernel_cache.layout(key, {kernel_cache.ROOT_VARIABLE: str(tmp_path / "k")})
+    )
+    archive = tmp_path / "sm90.tar.gz"
+    kernel_archive.export_archive(source, archive)
+    result = nox(
+        "-s",
+        "layout",
+        "--",
+        "--kernel-archive",
+        str(archive),
+        GLM5_MATRIX_PYTHON=sys.executable,
+        GLM5_MATRIX_GPUS="",
+        GLM5_MATRIX_KERNEL_CACHE=str(tmp_path / "k"),
+        GLM5_MATRIX_RESULTS=str(tmp_path / "results"),
+    )
+    assert result.returncode != 0
+    assert "gpu_arch sm90 != cpu" in result.stderr and "refused" in result.stderr
+    assert "-m pytest" not in result.stderr  # refused before the suites
+    # The control: an archive for this very interpreter and box is imported, and the cell goes on.
+    fitting = tmp_path / "cpu.tar.gz"
+    kernel_archive.export_archive(
+        kernel_cache.prepare(
+            kernel_cache.layout(
+                {**key, "gpu_arch": "cpu"}, {kernel_cache.ROOT_VARIABLE: str(tmp_path / "k")}
+            )
+        ),
+        fitting,
+    )
+    result = nox(
+        "-s",
+        "layout",
+        "--",
+        "--kernel-archive",
+        str(fitting),
+        "--co",
+        GLM5_MATRIX_PYTHON=sys.executable,
+        GLM5_MATRIX_GPUS="",
+        GLM5_MATRIX_KERNEL_CACHE=str(tmp_path / "k"),
+        GLM5_MATRIX_RESULTS=str(tmp_path / "results"),
+    )
+    assert "kernel cache: imported" in result.stderr and "-m pytest" in result.stderr

@@ -52,7 +52,11 @@ def test_every_outcome_a_cell_can_have(built):
     ids = [c.id for c in built.cells]
     assert ids[:-1] == [v.id for v in results_tree.matrix().variants]
     assert ids[-1] == "old-cell" and not built.cells[-1].in_matrix
-    assert built.headline() == "18 cells: 2 passed, 2 failed, 1 skipped, 11 not run, 2 interrupted"
+    # The five cells the tree made results for (one lost from the matrix), the rest not run.
+    cells = len(results_tree.matrix().variants) + 1
+    assert built.headline() == (
+        f"{cells} cells: 2 passed, 2 failed, 1 skipped, {cells - 7} not run, 2 interrupted"
+    )
     assert not built.ok
 
 
@@ -154,7 +158,7 @@ def test_cli_writes_into_results_report_and_leaves_it_out_of_the_cells(tree, tmp
     first = _cli(str(copy))
     assert first.returncode == 0, first.stderr
     second = _cli(str(copy))  # the report folder from the first run is not a cell
-    assert "18 cells:" in second.stdout, second.stdout
+    assert f"{len(results_tree.matrix().variants) + 1} cells:" in second.stdout, second.stdout
     assert (copy / "report" / "report.html").is_file()
     assert json.loads((copy / "unit" / "results.json").read_text())["exit_status"] == 0
 
@@ -217,5 +221,6 @@ def test_nox_session_builds_the_report(tree, tmp_path):
         env={k: v for k, v in os.environ.items() if not k.startswith("GLM5_")},
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "18 cells: 2 passed, 2 failed" in result.stdout
+    cells = len(results_tree.matrix().variants) + 1
+    assert f"{cells} cells: 2 passed, 2 failed" in result.stdout
     assert sorted(p.name for p in out.iterdir()) == sorted(report.FILES)

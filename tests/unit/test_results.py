@@ -21,6 +21,7 @@ from glm5_matrix.results import record_figure, record_engine_start
 
 def test_measures():
     record_engine_start("engine:x", 1.234)
+    record_engine_start("engine:y", 2.0, compile={"seconds": None, "entries_added": {"triton": 2}})
     record_figure("layout.block_size", 4352, limit=4352, relation="==", unit="tokens")
     record_figure("repeat.delta", 0.031, limit=0.094, relation="<=", unit="nats")
 
@@ -67,8 +68,9 @@ def test_results_json_holds_outcomes_starts_and_figures(
     assert data["outcomes"] == {"passed": 1, "failed": 1, "skipped": 1, "xfailed": 1}
     assert data["exit_status"] == 1
     assert data["complete"] is True and data["ended"]["how"] == "finished"
-    (start,) = data["engine_starts"]
+    start, compiled = data["engine_starts"]
     assert start == {"label": "engine:x", "seconds": 1.23, "test": "test_cell.py::test_measures"}
+    assert compiled["compile"] == {"seconds": None, "entries_added": {"triton": 2}}
     by_name = {f["name"]: f for f in data["figures"]}
     assert by_name["layout.block_size"] == {
         "name": "layout.block_size",
@@ -86,7 +88,9 @@ def test_results_json_holds_outcomes_starts_and_figures(
     assert failed["message"] == "AssertionError: planted"
     assert "message" not in data["tests"]["test_cell.py::test_measures"]
     assert data["tests"]["test_cell.py::test_known"]["reason"] == "known upstream"
-    assert "1 failed, 1 passed, 1 skipped" in results.summarize(tmp_path / "results")
+    summary = results.summarize(tmp_path / "results")
+    assert "1 failed, 1 passed, 1 skipped" in summary
+    assert "2 engine start(s) (3 s, 2 kernel file(s) compiled)" in summary
 
 
 def test_a_relation_that_means_nothing_is_refused() -> None:

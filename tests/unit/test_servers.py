@@ -235,6 +235,10 @@ _STUB_SERVER = textwrap.dedent(
     if os.environ.get("STUB_FAIL"):
         print("stub: refusing to start", flush=True)
         sys.exit(4)
+    if os.environ.get("STUB_COMPILE"):  # what a start that compiles a kernel does
+        path = os.path.join(os.environ["TRITON_CACHE_DIR"], "HASH", os.environ["STUB_COMPILE"])
+        os.makedirs(os.path.dirname(path), exist_ok=True); open(path, "w").write("cubin")
+        print("init engine (profile, create kv cache, warmup model) took 1.00 s (compilation: 0.25 s)", flush=True)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     keys = ("VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT", "VLLM_RPC_BASE_PATH",
             "UCX_NET_DEVICES", "EXTRA")
@@ -347,3 +351,43 @@ def test_server_devices_count_among_the_cells(positions, visible, devices):
 def test_server_devices_outside_the_cell_are_an_error(positions, visible):
     with pytest.raises(servers.ServerError, match="counts among the cell's GPUs"):
         servers.cell_devices(positions, visible)
+
+
+def test_a_server_start_records_what_it_compiled_and_the_guard_fails_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from glm5_matrix import kernel_cache
+
+    monkeypatch.setenv("GLM5_MATRIX_GPUS", "9.0")
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.delenv(kernel_cache.ACTIVE_VARIABLE, raising=False)
+    env = {
+        "PYTHONPATH": str(_stub_module_root(tmp_path)),
+        "STUB_REPORT": str(tmp_path / "report.json"),
+        "STUB_COMPILE": "_fwd_kernel.cubin",
+    }
+    monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "0")
+    starts_before = len(results.engine_starts())
+    with servers.VllmServer("compiles", "/m", env=env, log_dir=tmp_path / "a"):
+        pass
+    (start,) = results.engine_starts()[starts_before:]
+    assert start.compile is not None and start.compile["entries_added"]["triton"] == 1
+    assert start.compile["seconds"] == 0.25  # what vLLM logged
+    # The kernel cache of this process: TRITON_CACHE_DIR points into its key folder.
+    assert Path(os.environ["TRITON_CACHE_DIR"]).parent == Path(
+        os.environ[kernel_cache.ACTIVE_VARIABLE]
+    )
+
+    monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "1")
+    server = servers.VllmServer(
+        "compiles-again", "/m", env={**env, "STUB_COMPILE": "_other.cubin"}, log_dir=tmp_path / "b"
+    )
+    with pytest.raises(
+        kernel_cache.KernelCompiled, match=r"triton: 1 file\(s\) \(HASH/_other.cubin\)"
+    ):
+        server.start()
+    assert server.group_members_left() == [], "the refused server was not stopped"
+    # The control: a start that compiles nothing passes the guard.
+    quiet = {k: v for k, v in env.items() if k != "STUB_COMPILE"}
+    with servers.VllmServer("warm", "/m", env=quiet, log_dir=tmp_path):
+        pass

@@ -1,0 +1,125 @@
+"""Engine start cold (an empty kernel cache) against warm, per cell on this machine.
+
+    python benchmarks/engine_start.py                      # the GPU cells this machine can run
+    python benchmarks/engine_start.py "e2e-tp1(deep_gemm)" offload-tp1 [--json FILE]
+    python benchmarks/engine_start.py e2e-cpu              # a CPU cell
+
+Runs the warm step (`nox -s warm -- CELLS`) twice against a fresh temporary kernel cache root
+(GLM5_MATRIX_KERNEL_CACHE): the first run starts every engine configuration of the cells with
+nothing compiled, the second with what the first compiled. Prints, per configuration, seconds
+to ready and the kernel files each run compiled, side by side. Arguments after `--` go to the
+warm step (e.g. `-- --model /ckpt`). Not a test: rerun it where the numbers matter; the
+temporary root is removed afterwards unless --keep. `--root DIR` (absent or empty) uses and keeps
+DIR instead: the default root (~/.cache/glm5-matrix/kernels) on a fresh machine measures cold
+against warm and leaves the cells a warm cache.
+
+    python benchmarks/engine_start.py --table results/warm results
+
+prints the same table from runs made already: the engine starts recorded under two results
+folders (here a first warm step on a fresh machine, then the cells themselves), for machines
+whose commands may not run long enough for both warm steps at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def warm_run(
+    selection: list[str], extra: list[str], kernels: Path, results: Path
+) -> dict[str, dict[str, Any]]:
+    """One warm step; {configuration label: its engine start entry} from the cells' results."""
+    environ = {
+        **os.environ,
+        "GLM5_MATRIX_KERNEL_CACHE": str(kernels),
+        "GLM5_MATRIX_RESULTS": str(results),
+    }
+    command = [sys.executable, "-m", "nox", "-f", str(ROOT / "noxfile.py"), "-s", "warm"]
+    subprocess.run([*command, "--", *selection, *extra], check=True, env=environ)
+    return recorded_starts(results / "warm")
+
+
+def recorded_starts(folder: Path) -> dict[str, dict[str, Any]]:
+    """{label: engine start entry} of every results.json under `folder` (the first of a label)."""
+    starts: dict[str, dict[str, Any]] = {}
+    for path in sorted(folder.rglob("results.json")):
+        for start in json.loads(path.read_text()).get("engine_starts", []):
+            starts.setdefault(start["label"], start)
+    return starts
+
+
+def compiled(start: dict[str, Any] | None) -> str:
+    if start is None:
+        return "-"
+    added = (start.get("compile") or {}).get("entries_added")
+    if added is None:
+        return "not measured"
+    return ", ".join(f"{name} {n}" for name, n in sorted(added.items()) if n) or "nothing"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("cells", nargs="*", help="cells or variants (default: -t gpu)")
+    parser.add_argument("-t", "--tag", action="append", default=[], help="cells by tag")
+    parser.add_argument("--json", type=Path, help="also write the numbers to this file")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary kernel cache")
+    parser.add_argument("--root", type=Path, help="an absent or empty kernel cache root to fill")
+    parser.add_argument(
+        "--table", nargs=2, type=Path, metavar=("COLD", "WARM"), help="runs made already"
+    )
+    argv = sys.argv[1:]
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    selection = [*args.cells, *(f for t in args.tag for f in ("-t", t))] or ["-t", "gpu"]
+
+    if args.table:
+        missing = [str(d) for d in args.table if not d.is_dir()]
+        if missing:
+            sys.exit(f"engine_start.py: --table: {missing[0]}: folder not found")
+        cold, warm = (recorded_starts(d) for d in args.table)
+        return table(cold, warm, args.json)
+    if args.root is not None and args.root.exists() and any(args.root.iterdir()):
+        sys.exit(f"engine_start.py: --root {args.root} is not empty, so not cold")
+    scratch = Path(tempfile.mkdtemp(prefix="glm5-engine-start-"))
+    try:
+        kernels = args.root.absolute() if args.root is not None else scratch / "kernels"
+        cold = warm_run(selection, extra, kernels, scratch / "cold")
+        warm = warm_run(selection, extra, kernels, scratch / "warm")
+    finally:
+        if args.keep:
+            print(f"kept {scratch}")
+        else:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return table(cold, warm, args.json)
+
+
+def table(
+    cold: dict[str, dict[str, Any]], warm: dict[str, dict[str, Any]], json_file: Path | None
+) -> int:
+    labels = list(dict.fromkeys([*cold, *warm]))
+    width = max([len("configuration"), *(len(label) for label in labels)])
+    print(f"\n{'configuration':<{width}}  {'cold s':>8}  {'warm s':>8}  compiled cold | warm")
+    rows = []
+    for label in labels:
+        c, w = cold.get(label), warm.get(label)
+        cs = f"{c['seconds']:.1f}" if c else "-"
+        ws = f"{w['seconds']:.1f}" if w else "-"
+        print(f"{label:<{width}}  {cs:>8}  {ws:>8}  {compiled(c)} | {compiled(w)}")
+        rows.append({"configuration": label, "cold": c, "warm": w})
+    if json_file is not None:
+        json_file.write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

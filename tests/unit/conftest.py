@@ -1,0 +1,20 @@
+"""Shared by the unit tests: no test writes into the machine's kernel cache or leaves library
+cache variables behind (engines and servers point them at the kernel cache when they start)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def private_kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    saved = dict(os.environ)
+    os.environ["GLM5_MATRIX_KERNEL_CACHE"] = str(tmp_path_factory.mktemp("kernel-cache"))
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)

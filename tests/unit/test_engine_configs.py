@@ -1,0 +1,131 @@
+"""glm5_matrix.engine_configs without starting anything: which engines each suite's cell starts,
+which of them are the same configuration across cells, the warm requests and the ledger."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+
+from glm5_matrix import engine_configs, engines
+from glm5_matrix.cache import CACHE_VARIABLE
+from glm5_matrix.context import CellContext, for_variant
+from glm5_matrix.engine_configs import ServerSpec, WarmLedger, config_key
+from glm5_matrix.errors import UserError
+from glm5_matrix.profiles import load_profile
+from glm5_matrix.runner import load
+
+
+@pytest.fixture(autouse=True)
+def sm90(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(engines, "gpu_family", lambda: "sm90")
+    monkeypatch.setenv(CACHE_VARIABLE, str(tmp_path / "cache"))  # the synthesized drafter
+    monkeypatch.delenv("GLM5_DFLASH2_DRAFT", raising=False)
+
+
+def _cell(variant_id: str) -> CellContext:
+    from glm5_matrix.context import Weights
+
+    return for_variant(load().variant(variant_id), weights=Weights(kind="random"))
+
+
+GLM = "glm-5.3-flash-4l"
+
+
+def test_each_suite_enumerates_what_it_starts() -> None:
+    profile = load_profile(GLM)
+    e2e = engine_configs.for_cell(_cell("e2e-tp1(deep_gemm)"), profile)
+    assert [s.args.get("speculative_config") for s in e2e] == [
+        None,
+        {"method": "mtp", "num_speculative_tokens": 1},
+    ]
+    assert all(s.args["moe_backend"] == "deep_gemm" and s.args["enforce_eager"] for s in e2e)
+    (offload,) = engine_configs.for_cell(_cell("offload-tp1(simple)"), profile)
+    transfer = offload.args["kv_transfer_config"]
+    assert transfer["kv_connector"] == "SimpleCPUOffloadConnector"
+    assert transfer["kv_connector_extra_config"]["cpu_bytes_to_use"] > 0
+    target, drafted = engine_configs.for_cell(_cell("dflash-tp1"), profile)
+    assert "speculative_config" not in target.args
+    assert drafted.args["speculative_config"]["method"] == "dflash"
+    assert drafted.args["disable_log_stats"] is False
+    (server,) = engine_configs.for_cell(_cell("pd-nixl"), profile)
+    assert isinstance(server, ServerSpec)
+    assert "--kv-transfer-config" in server.args and "--enforce-eager" in server.args
+    assert server.environment["CUDA_VISIBLE_DEVICES"] == "0"  # the prefill server's GPU
+    assert server.environment["VLLM_SSM_CONV_STATE_LAYOUT"] == "DS"  # the cell's environment
+    with pytest.raises(UserError, match="starts no engine"):
+        engine_configs.for_cell(_cell("layout"), profile)
+
+
+def test_the_compiled_cell_runs_without_enforce_eager() -> None:
+    profile = load_profile(GLM)
+    target, mtp = engine_configs.for_cell(_cell("e2e-tp1-graphs"), profile)
+    assert target.args["enforce_eager"] is False and mtp.args["enforce_eager"] is False
+    eager = engine_configs.for_cell(_cell("e2e-tp1(deep_gemm)"), profile)[0]
+    assert config_key(target, "k") != config_key(eager, "k")
+    cell = _cell("e2e-tp1-graphs")
+    bad = CellContext(**{**cell.__dict__, "settings": {**cell.settings, "mode": "fast"}})
+    with pytest.raises(UserError, match="mode 'fast' is not one of eager, compiled"):
+        engines.cell_engine_args(bad, profile)
+
+
+def test_equal_configurations_of_two_cells_share_a_key_and_others_do_not() -> None:
+    profile = load_profile(GLM)
+    e2e_target = engine_configs.for_cell(_cell("e2e-tp1(deep_gemm)"), profile)[0]
+    dflash_target = engine_configs.for_cell(_cell("dflash-tp1"), profile)[0]
+    assert e2e_target.label != dflash_target.label
+    assert config_key(e2e_target, "k") == config_key(dflash_target, "k")
+    # Another kernel cache (other versions or GPU) is another warm-up.
+    assert config_key(e2e_target, "k") != config_key(dflash_target, "other")
+    keys = {
+        config_key(spec, "k")
+        for variant in (
+            "e2e-tp1(deep_gemm)",
+            "e2e-tp1(flashinfer)",
+            "offload-tp1(simple)",
+            "offload-tp1(offloading)",
+            "dflash-tp1",
+            "pd-nixl",
+        )
+        for spec in engine_configs.for_cell(_cell(variant), profile)
+    }
+    # e2e x2 backends x (target, MTP) + 2 offload + the dflash drafted engine + the PD server;
+    # the dflash target is e2e-tp1(deep_gemm)'s.
+    assert len(keys) == 4 + 2 + 1 + 1
+
+
+def test_callables_in_arguments_compare_by_what_they_are() -> None:
+    def taps(config: object, values: tuple[int, ...]) -> object:
+        return config
+
+    one = engines.EngineSpec("a", "m", {"hf_overrides": functools.partial(taps, values=(1, 2))})
+    same = engines.EngineSpec("b", "m", {"hf_overrides": functools.partial(taps, values=(1, 2))})
+    other = engines.EngineSpec("c", "m", {"hf_overrides": functools.partial(taps, values=(1, 3))})
+    assert config_key(one, "k") == config_key(same, "k") != config_key(other, "k")
+
+
+def test_warm_prompts_come_from_the_profile() -> None:
+    assert engine_configs.warm_prompts(load_profile(GLM), 4352) == [
+        (64, 24),
+        (512, 24),
+        (6528, 24),
+        (8704, 24),
+        (10880, 24),
+    ]
+    profile = load_profile(GLM)
+    del profile.data["warm"]
+    assert engine_configs.warm_prompts(profile, 4352) == [(64, 4)]
+    profile.data["warm"] = {"prompt_tokens": [0]}
+    with pytest.raises(UserError, match=r"\[warm\]"):
+        engine_configs.warm_prompts(profile, 4352)
+
+
+def test_the_ledger_remembers_across_readers(tmp_path: Path) -> None:
+    path = tmp_path / "warm" / "ledger.json"
+    first, second = WarmLedger(path), WarmLedger(path)
+    assert first.warmed_by("k1") is None
+    first.add("k1", "e2e-tp1(deep_gemm) glm:e2e")
+    second.add("k1", "dflash-tp1 glm:dflash")  # the first one stays
+    assert second.warmed_by("k1") == "e2e-tp1(deep_gemm) glm:e2e"
+    assert WarmLedger(path).warmed_by("k2") is None
