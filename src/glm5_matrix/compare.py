@@ -252,10 +252,14 @@ class NoiseFloor:
     # Steps a run computed along another path may differ by beyond the floor (a measured
     # profile value: e.g. D recomputing a prompt's last token alone over KV it was sent).
     path_steps: int = 0
+    # The floor is one sample (the largest difference of one pair of runs) of a spread that
+    # varies from pair to pair where the engine is not bitwise reproducible (the GPU): the
+    # tolerance takes it times this measured profile value. Without effect on a zero floor.
+    factor: float = 1.0
 
     @property
     def tolerance(self) -> float:
-        return self.worst + (1 + self.path_steps) * self.step
+        return self.factor * self.worst + (1 + self.path_steps) * self.step
 
     def across_path(self, steps: int) -> NoiseFloor:
         """The floor for a run computed along another path, allowed `steps` more logit steps."""
@@ -263,10 +267,17 @@ class NoiseFloor:
             raise ValueError(f"path steps must be >= 0, not {steps}")
         return replace(self, path_steps=steps)
 
+    def with_factor(self, factor: float) -> NoiseFloor:
+        """The floor whose tolerance takes its worst difference `factor` times (>= 1)."""
+        if not factor >= 1.0:
+            raise ValueError(f"a floor factor must be >= 1, not {factor}")
+        return replace(self, factor=factor)
+
     def describe(self) -> str:
         path = f" + {self.path_steps} path step(s)" if self.path_steps else ""
+        times = f"{self.factor:g} x " if self.factor != 1.0 else ""
         return (
-            f"noise floor {self.worst:.4f} + one logit step {self.step:.4f}{path} = tolerance "
+            f"{times}noise floor {self.worst:.4f} + one logit step {self.step:.4f}{path} = tolerance "
             f"{self.tolerance:.4f} ({self.agreement.matched} of {self.agreement.total} tokens "
             "equal between the two runs)"
         )

@@ -69,10 +69,12 @@ def measured(
     second: Scored,
     names: tuple[str, str],
     min_median_margin_steps: float | None = None,
+    floor_factor: float = 1.0,
 ) -> Comparison:
-    """The reference run done twice: its noise floor (recorded), and, when a minimum is given,
-    the check that its greedy choices win by that median margin in logit steps."""
-    floor = compare.noise_floor(first, second, names)
+    """The reference run done twice: its noise floor (recorded; the tolerance takes it
+    `floor_factor` times, the profile's measured [tolerances] floor_factor), and, when a minimum
+    is given, the check that its greedy choices win by that median margin in logit steps."""
+    floor = compare.noise_floor(first, second, names).with_factor(floor_factor)
     print(f"{name}: {floor.describe()}")
     record_figure(f"{name}.noise_floor", round(floor.worst, 6), unit="nats")
     record_figure(f"{name}.logit_step", floor.step, unit="nats")
@@ -124,6 +126,7 @@ def reference_twice(
         runs[1],
         names,
         min_median_margin_steps=float(tolerances["min_median_margin_steps"]),
+        floor_factor=float(tolerances["floor_factor"]),
     )
     return runs[0], comparison
 

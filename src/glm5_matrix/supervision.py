@@ -184,6 +184,7 @@ class Supervisor:
         self.runner_died = False
         self.seen: set[int] = set()  # every descendant seen: "a process of the cell"
         self.left_behind: list[str] = []
+        self.needed_kill = False  # a process left behind outlived SIGTERM
         self.child: subprocess.Popen[bytes] | None = None
         self.child_status: int | None = None  # a wait status (os.waitpid)
         self.child_overran = False  # still running `grace` seconds after SIGINT
@@ -225,7 +226,10 @@ class Supervisor:
         self._sweep()
         still_held = self._gpus_held_after()
         code = self._exit_status()
-        if (self.left_behind or still_held) and code == 0:
+        # Processes a passing command left that stopped on SIGTERM are named and recorded (a
+        # library's background helper, e.g. humming-kernels' nvrtc build at vLLM's import);
+        # one that had to be killed, or GPU memory still held, fails the cell.
+        if (self.needed_kill or still_held) and code == 0:
             code = 1
         if self.left_behind:
             _say(
@@ -296,6 +300,8 @@ class Supervisor:
                         self.left_behind.append(f"pid {pid}: {processes.cmdline(pid)}")
                         described.add(pid)
                     sent.add(pid)
+                    if sig == signal.SIGKILL and by_itself:
+                        self.needed_kill = True
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, sig)
                 if time.monotonic() >= deadline:
@@ -307,6 +313,7 @@ class Supervisor:
         self._reap()
         for pid in processes.live_descendants():  # in the kernel's hands (state D)
             self.left_behind.append(f"pid {pid} survived SIGKILL: {processes.cmdline(pid)}")
+            self.needed_kill = True
 
     # --- GPUs ----------------------------------------------------------------------------------
 

@@ -71,6 +71,7 @@ class TargetOnly:
     output: GreedyOutput  # the reference
     comparison: judging.Comparison  # its noise floor: the target alone done twice
     control: GreedyOutput  # the target's runner-up accepted at a decisive step
+    path_steps: int  # [dflash.tolerances] path_steps
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +86,7 @@ def target_only(cell: CellContext, profile: Profile, prompt: list[int]) -> Targe
         )
         control = judging.runner_up_control(engine, prompt, max_tokens, output, comparison)
     assert not engine.leftover_processes, engine.leftover_processes
-    return TargetOnly(output, comparison, control)
+    return TargetOnly(output, comparison, control, int(tolerances["path_steps"]))
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +177,11 @@ def test_greedy_matches_target_only(target_only: TargetOnly, drafted_run: Drafte
     """Greedy output with the drafter agrees with the target alone up to the engine's own noise,
     and the control (the target's runner-up accepted, what a broken verification does) is
     rejected by the same rule."""
-    comparison = target_only.comparison
+    # The target scores K drafted tokens in one pass, the target alone one at a time: another
+    # path, allowed the profile's [dflash.tolerances] path_steps.
+    comparison = target_only.comparison.across_path(
+        target_only.path_steps, "the target verifies K drafted tokens in one pass"
+    )
     comparison.agrees(target_only.output, drafted_run.output, ("target-only", "DFlash2"))
     comparison.rejects(
         target_only.output, target_only.control, ("target-only", "runner-up accepted")

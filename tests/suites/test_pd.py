@@ -247,6 +247,7 @@ def comparison(record: Record, profile: Profile) -> judging.Comparison:
         record.reference_again,
         ("P-only", "P-only again"),
         min_median_margin_steps=float(_pd(profile)["tolerances"]["min_median_margin_steps"]),
+        floor_factor=float(_pd(profile)["tolerances"]["floor_factor"]),
     )
 
 
@@ -315,7 +316,11 @@ def test_disaggregated_output_matches_single_server(
     )
     print(f"\nP-only {reference.token_ids}\nP->D   {decoded.token_ids}")
     servers_floor = judging.measured(
-        "pd_servers", record.across_p, record.across_d, ("P alone", "D alone")
+        "pd_servers",
+        record.across_p,
+        record.across_d,
+        ("P alone", "D alone"),
+        floor_factor=float(tolerances["floor_factor"]),
     )
     print(f"pd: P twice {comparison.floor.describe()}; P vs D {servers_floor.floor.describe()}")
     worst = max((comparison, servers_floor), key=lambda c: c.floor.worst)

@@ -185,6 +185,28 @@ def test_a_run_along_another_path_gets_exactly_its_path_steps() -> None:
         floor.across_path(-1)
 
 
+def test_a_floor_factor_scales_the_floor_and_nothing_else() -> None:
+    logits = _engine(1)
+    reference = _greedy(logits)
+    floor = compare.noise_floor(reference, _greedy(_nudged(logits, 2)))  # a floor of two steps
+    assert floor.worst == pytest.approx(2 * STEP, rel=0.1)
+    # A second pair four steps apart (as the H200 showed: 1.4x the first pair's floor) fails
+    # the floor alone and passes twice it; eight steps apart fails that too.
+    with pytest.raises(AssertionError, match="> tolerance"):
+        compare.check_agreement(reference, _greedy(_nudged(logits, 4)), floor, ("a", "b"))
+    doubled = floor.with_factor(2.0)
+    assert doubled.tolerance == pytest.approx(2 * floor.worst + STEP)
+    assert doubled.describe().startswith("2 x noise floor")
+    compare.check_agreement(reference, _greedy(_nudged(logits, 4)), doubled, ("a", "b"))
+    with pytest.raises(AssertionError, match="> tolerance"):
+        compare.check_agreement(reference, _greedy(_nudged(logits, 8)), doubled, ("a", "b"))
+    # A zero floor (the CPU build) stays one step whatever the factor.
+    zero = compare.noise_floor(reference, _greedy(logits)).with_factor(2.0)
+    assert zero.tolerance == STEP
+    with pytest.raises(ValueError, match="floor factor must be >= 1"):
+        floor.with_factor(0.5)
+
+
 def test_parting_at_a_near_tie_within_the_tolerance_is_accepted() -> None:
     tie = {5: -1.0, 6: -1.0, 7: -3.0}
     a = _run([1, 5, 9], [{1: -0.5, 2: -2.0}, tie, {9: -0.1}])
