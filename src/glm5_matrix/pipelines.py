@@ -122,7 +122,7 @@ def buildkite(matrix: Matrix) -> dict[str, Any]:
             {
                 "label": variant.id,
                 "key": f"cell-{variant.slug}",
-                "command": f"python3 -m pip install nox uv && {_nox(variant.id)}",
+                "command": f"python3 -m pip install 'nox>=2026.8' uv && {_nox(variant.id)}",
                 "agents": agent_query(variant),
                 "env": env,
                 "timeout_in_minutes": variant.cell.timeout_minutes,
@@ -138,7 +138,7 @@ def buildkite(matrix: Matrix) -> dict[str, Any]:
             "label": "report",
             "key": "report",
             "commands": [
-                "python3 -m pip install nox uv",
+                "python3 -m pip install 'nox>=2026.8' uv",
                 'buildkite-agent artifact download "results/**/*" . || true',
                 "mkdir -p results",  # no cell left results: the report says every one not run
                 "python3 -m nox -s report",
@@ -160,7 +160,7 @@ def _setup_steps() -> list[dict[str, Any]]:
     return [
         {"uses": "actions/checkout@v4"},
         {"uses": "actions/setup-python@v5", "with": {"python-version": PYTHON}},
-        {"run": "python -m pip install nox uv"},
+        {"run": "python -m pip install 'nox>=2026.8' uv"},
     ]
 
 
