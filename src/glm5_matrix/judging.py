@@ -55,6 +55,23 @@ class Comparison:
         record_figure(f"{self.name}.path_tolerance", round(floor.tolerance, 6), unit="nats")
         return Comparison(self.name, floor)
 
+    def path_measured(self, reference: Scored, run: Scored, names: tuple[str, str]) -> float:
+        """How far `run` (computed along another path) is from `reference`, in logit steps, by
+        the same rule with no bound: printed and recorded before it is judged, so that a failing
+        run still shows the value a profile's path_steps would be re-measured from."""
+        try:
+            worst = compare.noise_floor(reference, run, names).worst
+        except AssertionError:  # they part outright: no path noise; agrees() says where
+            worst = float("inf")
+        steps = worst / self.floor.step if self.floor.step else 0.0
+        print(
+            f"{self.name}: {names[0]} vs {names[1]} measured: worst |delta| {worst:.4f} = "
+            f"{steps:.1f} logit steps"
+        )
+        record_figure(f"{self.name}.path_worst_delta", round(worst, 6), unit="nats")
+        record_figure(f"{self.name}.path_worst_steps", round(steps, 2), unit="logit steps")
+        return steps
+
     def rejects(self, reference: Scored, control: Scored, names: tuple[str, str]) -> str:
         """The negative control must fail the same rule; returns why it failed."""
         reason = compare.check_rejected(reference, control, self.floor, names)

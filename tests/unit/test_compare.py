@@ -207,6 +207,19 @@ def test_a_floor_factor_scales_the_floor_and_nothing_else() -> None:
         floor.with_factor(0.5)
 
 
+def test_a_path_is_measured_in_steps_before_it_is_judged() -> None:
+    from glm5_matrix import judging
+
+    logits = _engine(1)
+    reference = _greedy(logits)
+    comparison = judging.Comparison("pd", compare.noise_floor(reference, _greedy(logits)))
+    measured = comparison.path_measured(reference, _greedy(_nudged(logits, 2)), ("P", "P->D"))
+    assert measured == pytest.approx(2.0, abs=0.1)
+    # Another model state parts outright: no path noise to measure.
+    other = _greedy(_engine(2))
+    assert comparison.path_measured(reference, other, ("P", "other")) == math.inf
+
+
 def test_parting_at_a_near_tie_within_the_tolerance_is_accepted() -> None:
     tie = {5: -1.0, 6: -1.0, 7: -3.0}
     a = _run([1, 5, 9], [{1: -0.5, 2: -2.0}, tie, {9: -0.1}])
