@@ -195,6 +195,10 @@ class VllmServer:
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
         env.update(self.extra_env)
+        if "CUDA_VISIBLE_DEVICES" in self.extra_env:  # positions among the cell's GPUs
+            env["CUDA_VISIBLE_DEVICES"] = cell_devices(
+                self.extra_env["CUDA_VISIBLE_DEVICES"], os.environ.get("CUDA_VISIBLE_DEVICES")
+            )
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = HOST
         # UCX (NIXL's transport) listens on every network interface unless told otherwise;
         # the servers of one test share this host, so loopback is enough.

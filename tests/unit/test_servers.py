@@ -347,6 +347,20 @@ def test_server_devices_count_among_the_cells(positions, visible, devices):
     assert servers.cell_devices(positions, visible) == devices
 
 
+def test_a_server_runs_on_the_cells_gpus_whoever_builds_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pd suite and the warm step both give positions; the server maps them (a leased
+    "4,5": position 1 is GPU 5), and a server without one inherits the cell's devices."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    decoder = servers.VllmServer("d", "/m", env={"CUDA_VISIBLE_DEVICES": "1"}, log_dir=tmp_path)
+    plain = servers.VllmServer("p", "/m", log_dir=tmp_path)
+    for server in (decoder, plain):
+        server._rpc_dir = str(tmp_path)
+    assert decoder.environment()["CUDA_VISIBLE_DEVICES"] == "5"
+    assert plain.environment()["CUDA_VISIBLE_DEVICES"] == "4,5"
+
+
 @pytest.mark.parametrize(("positions", "visible"), [("2", "4,5"), ("x", "4,5"), ("0", "")])
 def test_server_devices_outside_the_cell_are_an_error(positions, visible):
     with pytest.raises(servers.ServerError, match="counts among the cell's GPUs"):
