@@ -35,7 +35,6 @@ from glm5_matrix.errors import UserError
 from glm5_matrix.matrix import MATRIX_FILE, Matrix, Variant, load_matrix
 from glm5_matrix.profiles import load_profile, repo_root
 
-RESULTS_VARIABLE = "GLM5_MATRIX_RESULTS"
 VENVS_VARIABLE = "GLM5_MATRIX_VENVS"
 # Suites that load model weights; the others read the profile's config only.
 WEIGHTS_SUITES = ("e2e", "offload", "pd")
@@ -110,12 +109,8 @@ def empty_results_dir(out: Path) -> None:
     out.mkdir(parents=True)
 
 
-def results_base(environ: Mapping[str, str]) -> Path:
-    return Path(environ.get(RESULTS_VARIABLE) or repo_root() / "results")
-
-
 def results_dir(variant: Variant, environ: dict[str, str]) -> Path:
-    return results_base(environ) / variant.slug
+    return results.results_base(environ) / variant.slug
 
 
 def venv_dir(variant: Variant, environ: dict[str, str]) -> Path:
@@ -123,11 +118,8 @@ def venv_dir(variant: Variant, environ: dict[str, str]) -> Path:
     return base / variant.slug
 
 
-def _record_skip(
-    variant: Variant, weights: cell_context.Weights, environ: dict[str, str], reason: str
-) -> None:
+def _record_skip(out: Path, variant: Variant, weights: cell_context.Weights, reason: str) -> None:
     """A preflight skip leaves results.json with the reason (before anything is built)."""
-    out = results_dir(variant, environ)
     empty_results_dir(out)
     ctx = cell_context.for_variant(variant, weights=weights, results_dir=str(out))
     results.write_skip(out, asdict(ctx), reason)
@@ -161,6 +153,9 @@ class Call:
 
 def _run_variant(session: Any, variant: Variant, call: Call) -> kernel_cache.KernelCache | None:
     environ = dict(os.environ)
+    # The cell's results folder (the warm step gives its own): every record of this run goes
+    # there, a skip's and a lease timeout's too.
+    out = call.out or results_dir(variant, environ)
     try:
         posargs = session.posargs if call.posargs is None else call.posargs
         options = parse_posargs(list(posargs), environ)
@@ -171,24 +166,25 @@ def _run_variant(session: Any, variant: Variant, call: Call) -> kernel_cache.Ker
         if not verdict.runnable:
             if hardware.strict(environ):
                 session.error(f"{verdict.reason} ({hardware.STRICT_VARIABLE} is set)")
-            _record_skip(variant, model_source, environ, verdict.reason)
+            _record_skip(out, variant, model_source, verdict.reason)
             session.skip(verdict.reason)
-        lease = take_lease(session, variant, found, environ)
+        lease = take_lease(session, variant, found, environ, out)
     except UserError as exc:
         session.error(str(exc))
     with lease:
-        return _run_leased(session, variant, environ, call, options, model_source, verdict, lease)
+        return _run_leased(
+            session, variant, environ, out, call, options, model_source, verdict, lease
+        )
 
 
 def take_lease(
-    session: Any, variant: Variant, found: hardware.Hardware, environ: dict[str, str]
+    session: Any, variant: Variant, found: hardware.Hardware, environ: dict[str, str], out: Path
 ) -> leases.Lease:
     """The cell's GPUs. A lease that does not come within the bound skips the cell (with what
     held the GPUs), like missing hardware, and is an error under GLM5_MATRIX_STRICT."""
     try:
         return leases.lease_cell(variant, found, environ, say=session.warn)
     except leases.LeaseTimeout as exc:
-        out = results_dir(variant, environ)
         empty_results_dir(out)
         results.write_json_atomic(out / leases.RECORD_FILE, exc.record)
         if hardware.strict(environ):
@@ -201,6 +197,7 @@ def _run_leased(
     session: Any,
     variant: Variant,
     environ: dict[str, str],
+    out: Path,
     call: Call,
     options: RunOptions,
     model_source: cell_context.Weights,
@@ -209,7 +206,6 @@ def _run_leased(
 ) -> kernel_cache.KernelCache | None:
     environment = call.environment or {}
     try:
-        out = call.out or results_dir(variant, environ)
         empty_results_dir(out)
         env = environments.load_envs(repo_root())[variant.env]
         override = environments.resolve_vllm_override(options.vllm, env)
