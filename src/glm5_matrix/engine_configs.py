@@ -21,10 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from glm5_matrix import kernel_cache
 from glm5_matrix.context import CellContext
 from glm5_matrix.engines import EngineSpec, engine_spec
 from glm5_matrix.errors import UserError
 from glm5_matrix.profiles import Profile
+from glm5_matrix.results import write_json_atomic
 
 LEDGER_VARIABLE = "GLM5_MATRIX_WARM_LEDGER"
 SERVED_MODEL = "pd-model"  # one name on every PD server, so requests read the same on P and D
@@ -216,7 +218,7 @@ def config_key(config: Config, kernel_dir: str | None = None) -> str:
         "model": config.model,
         "args": _canonical(config.args),
         "environment": _canonical(config.environment),
-        "kernel_cache": kernel_dir or os.environ.get("GLM5_MATRIX_KERNEL_CACHE_DIR", ""),
+        "kernel_cache": kernel_dir or os.environ.get(kernel_cache.ACTIVE_VARIABLE, ""),
     }
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
@@ -257,9 +259,7 @@ class WarmLedger:
             before = dict(entries)
             yield entries
             if entries != before:
-                staging = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-                staging.write_text(json.dumps(entries, indent=2, sort_keys=True) + "\n")
-                os.replace(staging, self.path)
+                write_json_atomic(self.path, entries)
 
     def warmed_by(self, key: str) -> str | None:
         with self._entries() as entries:

@@ -78,7 +78,7 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from pathlib import Path
 
-from glm5_matrix import hardware
+from glm5_matrix import hardware, results
 from glm5_matrix.cache import cache_root
 
 ROOT_VARIABLE = "GLM5_MATRIX_KERNEL_CACHE"
@@ -252,9 +252,7 @@ def prepare(kernels: KernelCache) -> KernelCache:
         kernels.folder(library).mkdir(parents=True, exist_ok=True)
     key_file = kernels.directory / KEY_FILE
     if not key_file.is_file():
-        staging = key_file.with_name(f".glm5-{KEY_FILE}.{os.getpid()}")
-        staging.write_text(json.dumps(kernels.key, indent=2, sort_keys=True) + "\n")
-        os.replace(staging, key_file)
+        results.write_json_atomic(key_file, kernels.key)
     return kernels
 
 

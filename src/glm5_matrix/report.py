@@ -26,7 +26,7 @@ from typing import Any
 
 from glm5_matrix.errors import UserError
 from glm5_matrix.matrix import MATRIX_FILE, Matrix, Variant, load_matrix
-from glm5_matrix.results import RESULTS_FILE, first_line
+from glm5_matrix.results import RESULTS_FILE, first_line, results_base
 
 STATUSES = ("passed", "failed", "skipped", "not run", "interrupted")
 FAILED_OUTCOMES = ("failed", "error", "xpassed")
@@ -463,9 +463,7 @@ def register(subparsers: Any) -> None:
 def _run(args: argparse.Namespace) -> int:
     from glm5_matrix.profiles import repo_root
 
-    results_dir = args.results or Path(
-        os.environ.get("GLM5_MATRIX_RESULTS") or repo_root() / "results"
-    )
+    results_dir = args.results or results_base(os.environ)
     out = args.output or results_dir / REPORT_DIR
     matrix = load_matrix(args.matrix or repo_root() / MATRIX_FILE)
     report = collect(matrix, results_dir, exclude=(out,))

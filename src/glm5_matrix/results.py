@@ -23,13 +23,14 @@ import json
 import os
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 RESULTS_FILE = "results.json"
+RESULTS_VARIABLE = "GLM5_MATRIX_RESULTS"  # where the cells' results folders go
 JUNIT_FILE = "junit.xml"
 # How a run ended ("ended.how"): pytest ended its session; a signal stopped the cell (or the
 # test process); the test process was killed; a process the run depends on died (the test
@@ -116,6 +117,14 @@ def figures() -> list[Figure]:
     return list(_STATE.figures)
 
 
+def results_base(environ: Mapping[str, str]) -> Path:
+    """The folder of the cells' results folders: GLM5_MATRIX_RESULTS, or results/ of the
+    checkout."""
+    from glm5_matrix.profiles import repo_root
+
+    return Path(environ.get(RESULTS_VARIABLE) or repo_root() / "results")
+
+
 def write_json_atomic(path: Path, data: Any, compact: bool = False) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -140,6 +149,8 @@ class ResultsPlugin:
         self.context = context
         self.tests: dict[str, dict[str, Any]] = {}
         self.started = time.monotonic()
+        # Read once: results.json is rewritten at every test start and end.
+        self.versions = installed_versions()
         self.running: str | None = None  # the test between its logstart and logfinish
         self.interruption: dict[str, Any] | None = None
         _STATE.on_record = self.write_partial
@@ -217,7 +228,7 @@ class ResultsPlugin:
                 "tests": tests,
                 "engine_starts": [s.to_json() for s in _STATE.engine_starts],
                 "figures": [asdict(f) for f in _STATE.figures],
-                "versions": installed_versions(),
+                "versions": self.versions,
             },
             compact=partial,  # rewritten for every test: kept cheap until the last write
         )

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from glm5_matrix import hardware, kernel_archive, kernel_cache, runner
+from glm5_matrix import hardware, kernel_archive, kernel_cache, results, runner
 from glm5_matrix.engine_configs import ENGINE_SUITES, LEDGER_VARIABLE
 from glm5_matrix.errors import UserError
 from glm5_matrix.matrix import Matrix, Variant
@@ -160,7 +160,7 @@ def run(session: Any, matrix: Matrix) -> None:
         session.error(f"{missing[0]} ({hardware.STRICT_VARIABLE} is set)")
     if not variants:
         session.skip(f"nothing to warm on this machine ({found.describe()})")
-    base = runner.results_base(os.environ) / "warm"
+    base = results.results_base(os.environ) / "warm"
     ledger = base / "ledger.json"
     ledger.unlink(missing_ok=True)
     caches: dict[Path, kernel_cache.KernelCache] = {}
