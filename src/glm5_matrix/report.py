@@ -399,6 +399,8 @@ def merged_junit(report: MatrixReport) -> Any:
                     case.result = [Failure(test.message or test.outcome)]
                 elif test.outcome in ("skipped", "xfailed"):
                     case.result = [Skipped(test.message or test.outcome)]
+                elif test.outcome in ("interrupted", "running"):  # never a pass
+                    case.result = [Error(f"{test.outcome}: the run ended during this test")]
                 suite.add_testcase(case)
             if cell.status == "skipped" and not cell.tests:
                 case = TestCase("preflight", cell.id)

@@ -129,9 +129,14 @@ def build(base: Path, work: Path) -> Path:
                 "cell": asdict(context.for_variant(m.variant("offload-tp1(simple)"))),
                 "exit_status": 1,
                 "wall_seconds": 40.0,
-                "outcomes": {"passed": 1},
+                "outcomes": {"passed": 1, "interrupted": 1},
                 "tests": {
-                    "tests/suites/test_offload.py::test_a": {"outcome": "passed", "seconds": 1}
+                    "tests/suites/test_offload.py::test_a": {"outcome": "passed", "seconds": 1},
+                    # the test that was running when SIGTERM came
+                    "tests/suites/test_offload.py::test_b": {
+                        "outcome": "interrupted",
+                        "seconds": 2,
+                    },
                 },
                 "engine_starts": [
                     {
