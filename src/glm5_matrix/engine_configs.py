@@ -32,6 +32,7 @@ LEDGER_VARIABLE = "GLM5_MATRIX_WARM_LEDGER"
 SERVED_MODEL = "pd-model"  # one name on every PD server, so requests read the same on P and D
 OFFLOAD_CONNECTORS = {"simple": "SimpleCPUOffloadConnector", "offloading": "OffloadingConnector"}
 PD_CONNECTORS = {"nixl": "NixlConnector"}
+PD_WORKER_EXTENSION = "glm5_matrix.worker_pages.PageReader"
 # Suites whose cells start engines or servers (the others have nothing to warm).
 ENGINE_SUITES = ("e2e", "offload", "dflash", "pd")
 
@@ -145,8 +146,12 @@ def pd_server_args(cell: CellContext, profile: Profile) -> tuple[str, list[str],
         SERVED_MODEL,
         "--kv-transfer-config",
         json.dumps(kv_config),
+        # The suite reads P's and D's KV pages by name through the dev-mode /collective_rpc
+        # endpoint (a transfer is checked byte for byte); a test process only.
+        "--worker-extension-cls",
+        PD_WORKER_EXTENSION,
     ]
-    return spec.model, args, dict(spec.environment)
+    return spec.model, args, {**spec.environment, "VLLM_SERVER_DEV_MODE": "1"}
 
 
 def pd_role_environment(profile: Profile, role: str) -> dict[str, str]:

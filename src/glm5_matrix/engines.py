@@ -42,6 +42,7 @@ from glm5_matrix.context import CellContext
 from glm5_matrix.errors import UserError
 from glm5_matrix.profiles import Profile, load_profile
 from glm5_matrix.results import record_engine_start
+from glm5_matrix.worker_pages import layer_caches
 
 INSECURE_SERIALIZATION = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 SHUTDOWN_TIMEOUT_S = 30.0
@@ -367,6 +368,13 @@ class Engine:
         as float32 numpy arrays, from rank 0."""
         return self.rpc(worker_read_pages, list(layer_blocks))[0]
 
+    def page_digests(self, layer_blocks: Sequence[tuple[str, int]]) -> list[list[str]]:
+        """For each (layer, block id): the sha256 of that block's bytes per state tensor, from
+        rank 0 (glm5_matrix.worker_pages)."""
+        from glm5_matrix.worker_pages import worker_page_digests
+
+        return self.rpc(worker_page_digests, list(layer_blocks))[0]
+
 
 class EngineCoreWatch:
     """Fails the request in flight when a process of the engine dies.
@@ -544,7 +552,7 @@ def worker_kv_layout(worker: Any) -> dict[str, Any]:
         for t in config.kv_cache_tensors
     ]
     storage = {}
-    for name, views in _layer_caches(worker).items():
+    for name, views in layer_caches(worker).items():
         spans = [_span(v) for v in views]
         storage[name] = {
             "storage": spans[0][0],
@@ -557,17 +565,6 @@ def worker_kv_layout(worker: Any) -> dict[str, Any]:
         "tensors": tensors,
         "storage": storage,
     }
-
-
-def _layer_caches(worker: Any) -> dict[str, list[Any]]:
-    """Each KV layer's allocated cache tensors (one per state for Mamba layers)."""
-    context = _runner(worker).compilation_config.static_forward_context
-    caches: dict[str, list[Any]] = {}
-    for group in _runner(worker).kv_cache_config.kv_cache_groups:
-        for name in group.layer_names:
-            cache = context[name].kv_cache
-            caches[name] = list(cache) if isinstance(cache, (list, tuple)) else [cache]
-    return caches
 
 
 def _span(tensor: Any) -> tuple[int, int, int]:
@@ -640,7 +637,7 @@ def worker_recorded_block_tables(worker: Any, clear: bool) -> dict[str, list[lis
 
 def worker_read_pages(worker: Any, layer_blocks: list[tuple[str, int]]) -> list[list[Any]]:
     """Copy each (layer, block id)'s page, per state tensor, as float32 numpy."""
-    caches = _layer_caches(worker)
+    caches = layer_caches(worker)
     num_blocks = _runner(worker).kv_cache_config.num_blocks
     pages = []
     for name, block in layer_blocks:

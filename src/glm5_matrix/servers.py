@@ -248,6 +248,28 @@ class VllmServer:
             self.stop()
             raise
 
+    def worker_rpc(self, method: str, *args: str, timeout: float = 120.0) -> list[Any]:
+        """Call worker method `method` (string arguments) on every worker of this server through
+        vLLM's dev-mode `/collective_rpc` endpoint: the server must run with
+        VLLM_SERVER_DEV_MODE=1 and a worker extension that has the method
+        (glm5_matrix.worker_pages.PageReader). One result per worker."""
+        body = json.dumps({"method": method, "args": list(args), "timeout": timeout}).encode()
+        request = urllib.request.Request(
+            self.url + "/collective_rpc",
+            data=body,
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout + 10) as response:
+                answer = response.read()
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[:500]
+            raise ServerError(
+                f"{self.label}: /collective_rpc {method}: HTTP {exc.code}: {detail}"
+            ) from None
+        return list(json.loads(answer)["results"]) if answer else []
+
     def compile_seconds(self) -> float | None:
         """The torch.compile seconds vLLM logged for this server's start, if it did."""
         try:

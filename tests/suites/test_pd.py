@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from glm5_matrix import compare, disagg, judging, servers
+from glm5_matrix import compare, disagg, judging, servers, transfers
 from glm5_matrix.context import CellContext
 from glm5_matrix.engine_configs import SERVED_MODEL, pd_role_environment, pd_server_args
 from glm5_matrix.engines import random_prompt, with_other_tokens
@@ -70,6 +70,62 @@ def _server(
 
 
 @dataclass(frozen=True)
+class TransferPages:
+    """The pages of one P -> D request: P's sent blocks against D's received ones."""
+
+    pairs: list[transfers.BlockPair]
+    group_layers: list[list[str]]
+    sent: dict[transfers.PageKey, tuple[str, ...]]
+    received: dict[transfers.PageKey, tuple[str, ...]]
+
+
+def _start_recording(d: servers.VllmServer) -> None:
+    """D remembers every request's block tables from here on (records so far are dropped)."""
+    d.worker_rpc("glm5_start_block_recorder")
+    d.worker_rpc("glm5_recorded_block_tables", "true")
+
+
+def _transfer_pages(
+    p: servers.VllmServer,
+    d: servers.VllmServer,
+    moved: disagg.Disaggregated,
+    block_size: int,
+) -> TransferPages:
+    """Read, right after a P -> D request and before any other, the pages P sent (its
+    remote_block_ids) and the pages D received them into (the request's block table on D, from
+    the recorder started before it), per KV group and layer, as digests of their bytes. Only
+    blocks P computed whole are compared: D writes the tokens after P's into its last block."""
+    params = moved.prefill.kv_transfer_params
+    assert params is not None
+    sent_tables = [list(group) for group in params["remote_block_ids"]]
+    recorded = d.worker_rpc("glm5_recorded_block_tables", "true")[0]
+    assert len(recorded) == 1, f"D ran {len(recorded)} requests since the recorder started"
+    (history,) = recorded.values()
+    received_tables = history[-1]
+    layers = p.worker_rpc("glm5_group_layers")[0]
+    assert d.worker_rpc("glm5_group_layers")[0] == layers, "P and D have other KV groups"
+    tokens = int(params["remote_num_tokens"])
+    covered, whole = -(-tokens // block_size), tokens // block_size
+    pairs = transfers.paired_blocks(sent_tables, received_tables, covered, whole)
+    print(f"\nP sent {sent_tables}; D received into {received_tables}; {len(pairs)} block pairs")
+    sent = transfers.keyed(
+        pairs,
+        layers,
+        p.worker_rpc("glm5_page_digests", json.dumps(transfers.page_reads(pairs, layers, "sent")))[
+            0
+        ],
+    )
+    received = transfers.keyed(
+        pairs,
+        layers,
+        d.worker_rpc(
+            "glm5_page_digests", json.dumps(transfers.page_reads(pairs, layers, "received"))
+        )[0],
+    )
+    return TransferPages(pairs, layers, sent, received)
+
+
+@dataclass(frozen=True)
 class Snapshot:
     prefill: disagg.TransferCounters
     decode: disagg.TransferCounters
@@ -88,6 +144,7 @@ class Record:
     reference: disagg.Completion  # P alone, no transfer
     reference_again: disagg.Completion  # P alone again: the noise floor
     first: disagg.Disaggregated  # P -> D
+    pages: TransferPages  # what the first P -> D moved: P's pages and D's, per block and group
     second: disagg.Disaggregated  # the same request again
     control_reference: disagg.Completion  # P alone on the control's prompt
     control: disagg.Completion  # D decoding that prompt from KV P computed for another
@@ -136,7 +193,9 @@ def record(
         # The block size is vLLM's (the hybrid aligner raises it), read back from the server.
         block_size = int(disagg.cache_config(disagg.fetch_metrics(d.url))["block_size"])
         record_figure("layout.block_size", block_size, unit="tokens")
-        prompt = _prompt(model, round(float(pd["prompt_blocks"]) * block_size), seed=0)
+        # N-1 on a block boundary: what P computes (N-1 tokens) ends where P alone also ends
+        # a chunk, so both hand token N the same state (see test_disaggregated_output...).
+        prompt = _prompt(model, int(pd["prompt_whole_blocks"]) * block_size + 1, seed=0)
         before = _snapshot(p, d)
         reference, reference_again = (
             disagg.complete(
@@ -144,9 +203,11 @@ def record(
             )
             for _ in range(2)
         )
+        _start_recording(d)
         first = disagg.prefill_then_decode(
             p.url, d.url, SERVED_MODEL, prompt, max_tokens, timeout, top_logprobs=TOP_LOGPROBS
         )
+        pages = _transfer_pages(p, d, first, block_size)
         after_first = _snapshot(p, d)
         second = disagg.prefill_then_decode(
             p.url, d.url, SERVED_MODEL, prompt, max_tokens, timeout, top_logprobs=TOP_LOGPROBS
@@ -176,6 +237,7 @@ def record(
             reference,
             reference_again,
             first,
+            pages,
             second,
             control_reference,
             control,
@@ -279,6 +341,23 @@ def test_kv_was_transferred(record: Record) -> None:
     assert d.external_hits > record.block_size, d
 
 
+def test_transfer_is_a_copy(record: Record) -> None:
+    """What NIXL moved is a copy: every page D received (each KV group: attention, each
+    GDN/KDA layer's conv and recurrent state) equals the page P sent, bit for bit. The control,
+    two of the received blocks exchanged (a block written into the other's slot), must fail."""
+    pages = record.pages
+    copied = transfers.check_copied(pages.sent, pages.received, ("P's sent", "D's received"))
+    print(f"\nP -> D: {copied.describe()}")
+    record_figure("pd.pages_equal", copied.pages, limit=0, relation=">", unit="pages")
+    record_figure("pd.page_groups", list(copied.groups))
+    assert set(copied.groups) == set(range(len(pages.group_layers))), (
+        f"only groups {copied.groups} of {len(pages.group_layers)} had whole blocks to compare"
+    )
+    with pytest.raises(AssertionError, match="differ") as control:
+        transfers.check_copied(pages.sent, transfers.swapped(pages.received))
+    print(f"control (two received blocks exchanged) rejected: {control.value}")
+
+
 def test_repeated_request_hits_decode_cache_or_moves_less(
     record: Record, comparison: judging.Comparison
 ) -> None:
@@ -295,34 +374,36 @@ def test_repeated_request_hits_decode_cache_or_moves_less(
     comparison.agrees(record.first.decode, record.second.decode, ("first P->D", "repeated P->D"))
 
 
-def test_disaggregated_output_matches_single_server(
-    record: Record, profile: Profile, comparison: judging.Comparison
-) -> None:
-    """P->D agrees with P alone up to the engine's own noise (P alone served twice) plus the
-    profile's measured path_steps (D's last prompt token is computed along another path), and D
-    decoding from KV computed for another prompt is rejected by the same rule."""
+def _exact(a: compare.Scored, b: compare.Scored, names: tuple[str, str]) -> int:
+    """Interim: tokens and every candidate's logprob bitwise equal; steps compared."""
+    for step, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids, strict=True)):
+        if ta != tb or dict(a.top_logprobs[step]) != dict(b.top_logprobs[step]):
+            raise AssertionError(
+                f"step {step}: {names[0]} {ta} {dict(a.top_logprobs[step])} vs {names[1]} {tb} "
+                f"{dict(b.top_logprobs[step])}"
+            )
+    return len(a.token_ids)
+
+
+def test_disaggregated_output_matches_single_server(record: Record, profile: Profile) -> None:
+    """With N-1 on a block boundary, P->D does the arithmetic P alone does: P computes the N-1
+    prompt tokens in the chunks P alone computes them in and hands over the state after them;
+    D computes token N from that state as P alone did. So the outputs are bitwise equal: every
+    token and every candidate's logprob. D decoding from KV P computed for another prompt must
+    differ."""
     tolerances = _pd(profile)["tolerances"]
     reference, decoded = record.reference, record.first.decode
     compare.assert_varies(
         reference.token_ids, int(tolerances["min_distinct_tokens"]), "P-only output"
     )
     print(f"\nP-only {reference.token_ids}\nP->D   {decoded.token_ids}")
-    servers_floor = judging.measured(
-        "pd_servers",
-        record.across_p,
-        record.across_d,
-        ("P alone", "D alone"),
-        floor_factor=float(tolerances["floor_factor"]),
-    )
-    # Two processes, two floors: P against itself and P against D (no transfer); the larger.
-    floor = max((comparison, servers_floor), key=lambda c: c.floor.tolerance).floor
-    across = judging.Comparison("pd", floor).across_path(
-        int(tolerances["path_steps"]),
-        "D computes the prompt's last token alone over the KV P sent; P computed it in its prefill",
-    )
-    across.path_measured(reference, decoded, ("P-only", "P->D"))
-    across.agrees(reference, decoded, ("P-only", "P->D"))
-    across.rejects(record.control_reference, record.control, ("P-only", "P->D of other KV"))
+    worst = compare.noise_floor(reference, decoded, ("P-only", "P->D")).worst
+    print(f"P-only vs P->D: worst |delta| {worst}")
+    record_figure("pd.aligned_worst_delta", worst, limit=0.0, relation="==", unit="nats")
+    steps = _exact(reference, decoded, ("P-only", "P->D"))
+    print(f"P-only vs P->D: {steps} steps bitwise equal")
+    with pytest.raises(AssertionError):
+        _exact(record.control_reference, record.control, ("P-only", "P->D of other KV"))
 
 
 def _other_model(

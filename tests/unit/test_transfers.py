@@ -1,0 +1,125 @@
+"""glm5_matrix.transfers: a transfer is checked page by page, by the bytes' digests."""
+
+from __future__ import annotations
+
+import pytest
+
+from glm5_matrix import transfers
+
+LAYERS = [["attn.0"], ["gdn.0"], ["gdn.1"]]
+
+
+def _pages(pairs: list[transfers.BlockPair], side: str) -> dict[transfers.PageKey, tuple[str, ...]]:
+    """Digests as a faithful copy would give them: named after the sent block, so that both
+    sides of a pair read alike (and two blocks of a group read apart)."""
+    reads = transfers.page_reads(pairs, LAYERS, side)
+    digests = []
+    for pair in pairs:
+        for layer in LAYERS[pair.group]:
+            digests.append([f"{layer}@{pair.sent}#{state}" for state in range(2)])
+    assert len(reads) == len(digests)
+    return transfers.keyed(pairs, LAYERS, digests)
+
+
+def _pairs() -> list[transfers.BlockPair]:
+    # As vLLM's NIXL connector lists them for 2 whole blocks (seen on the CPU build): attention
+    # sends every block, a Mamba group only the block holding the state after the last token;
+    # D's table has a third block for the tokens it computes itself.
+    sent = [[5, 6], [9], [11]]
+    received = [[20, 21, 22], [0, 30, 40], [0, 31, 41]]
+    return transfers.paired_blocks(sent, received, covered_blocks=2, whole_blocks=2)
+
+
+def test_paired_blocks_places_a_short_list_at_the_end() -> None:
+    pairs = _pairs()
+    assert [(p.group, p.position, p.sent, p.received) for p in pairs] == [
+        (0, 0, 5, 20),
+        (0, 1, 6, 21),
+        (1, 1, 9, 30),
+        (2, 1, 11, 31),
+    ]
+
+
+def test_paired_blocks_leaves_out_the_partial_block_and_null_pairs() -> None:
+    # 2.5 blocks of tokens: the third block is partial (D writes into it), so it is not paired;
+    # a null block on both sides is skipped, on one side only kept.
+    pairs = transfers.paired_blocks([[0, 6, 7], [8]], [[0, 21, 22], [0, 0, 30]], 3, 2)
+    assert [(p.group, p.position) for p in pairs] == [(0, 1)]
+    pairs = transfers.paired_blocks([[0, 9]], [[4, 30]], 2, 2)
+    assert [(p.sent, p.received) for p in pairs] == [(0, 4), (9, 30)]
+
+
+def test_paired_blocks_refuses_tables_that_do_not_fit() -> None:
+    with pytest.raises(ValueError, match="do not fit"):
+        transfers.paired_blocks([[1, 2, 3]], [[3, 4, 5]], 2, 2)
+    with pytest.raises(ValueError, match="do not fit"):
+        transfers.paired_blocks([[1, 2]], [[3]], 2, 2)
+    with pytest.raises(ValueError, match="group"):
+        transfers.paired_blocks([[1]], [[3], [4]], 1, 1)
+    with pytest.raises(ValueError, match="outside"):
+        transfers.paired_blocks([[1]], [[3]], 1, 2)
+
+
+def test_page_reads_name_each_sides_blocks() -> None:
+    pairs = _pairs()
+    assert transfers.page_reads(pairs, LAYERS, "sent") == [
+        ("attn.0", 5),
+        ("attn.0", 6),
+        ("gdn.0", 9),
+        ("gdn.1", 11),
+    ]
+    assert [b for _, b in transfers.page_reads(pairs, LAYERS, "received")] == [20, 21, 30, 31]
+    with pytest.raises(ValueError):
+        transfers.page_reads(pairs, LAYERS, "both")
+
+
+def test_a_faithful_copy_passes() -> None:
+    pairs = _pairs()
+    copied = transfers.check_copied(_pages(pairs, "sent"), _pages(pairs, "received"))
+    assert (copied.pages, copied.states, copied.groups) == (4, 8, (0, 1, 2))
+    assert "byte-for-byte" in copied.describe()
+
+
+def test_one_state_tensor_off_fails_naming_it() -> None:
+    pairs = _pairs()
+    received = _pages(pairs, "received")
+    key = (1, 1, "gdn.0")
+    received[key] = (received[key][0], "flipped")
+    with pytest.raises(
+        AssertionError,
+        match=r"1 of 4 page\(s\) differ: group 1 block 1 layer gdn.0 state\(s\) \[1\]",
+    ):
+        transfers.check_copied(_pages(pairs, "sent"), received)
+
+
+def test_a_withheld_page_fails() -> None:
+    pairs = _pairs()
+    received = _pages(pairs, "received")
+    del received[(2, 1, "gdn.1")]
+    with pytest.raises(AssertionError, match="never received"):
+        transfers.check_copied(_pages(pairs, "sent"), received)
+
+
+def test_nothing_sent_proves_nothing() -> None:
+    with pytest.raises(AssertionError, match="proves nothing"):
+        transfers.check_copied({}, {})
+
+
+def test_swapped_control_is_rejected() -> None:
+    pairs = _pairs()
+    sent, received = _pages(pairs, "sent"), _pages(pairs, "received")
+    control = transfers.swapped(received)
+    assert control[(0, 0, "attn.0")] == received[(0, 1, "attn.0")]
+    with pytest.raises(AssertionError, match="2 of 4 page"):
+        transfers.check_copied(sent, control)
+
+
+def test_swapped_needs_two_distinct_blocks() -> None:
+    same = {(0, 0, "a"): ("x",), (0, 1, "a"): ("x",), (1, 1, "b"): ("y",)}
+    with pytest.raises(AssertionError, match="nothing to swap"):
+        transfers.swapped(same)
+
+
+def test_keyed_refuses_a_short_read() -> None:
+    with pytest.raises(ValueError, match="4 pages read but 3"):
+        transfers.keyed(_pairs(), LAYERS, [["a"], ["b"], ["c"]])
