@@ -3,8 +3,10 @@ cell guards (matrix.toml: guard_sets, guards, axis_guards).
 
 A guard is a file (`vllm/v1/attention/backends/gdn_attn.py`) or a folder ending in `/`
 (`vllm/v1/core/`). A changed file matches a file guard equal to it or a folder guard holding it;
-a changed folder (ending in `/`) matches every guard inside it. `glm5-matrix affected PATH...`
-prints the matching cells, one per line; the generated pipelines use the same guards.
+a changed folder (`vllm/v1/` or `vllm/v1`) matches every guard inside it. Changed paths are
+relative to vLLM's repository, as `git diff --name-only` prints them; git's `a/` and `b/`
+prefixes are dropped, and an absolute path is an error. `glm5-matrix affected PATH...` prints
+the matching cells, one per line; the generated pipelines use the same guards.
 """
 
 from __future__ import annotations
@@ -17,22 +19,41 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from glm5_matrix.errors import UserError
 from glm5_matrix.matrix import MATRIX_FILE, Matrix, Variant, load_matrix
+
+# `git diff` without --no-prefix names the two sides a/PATH and b/PATH; vLLM has no such folders.
+GIT_PREFIXES = ("a/", "b/")
 
 
 def normalize(path: str) -> str:
-    """A changed path as git prints it, relative to vLLM's repository: no leading ./ or /."""
+    """A changed path relative to vLLM's repository: no leading ./, no git a/ or b/ prefix. An
+    absolute path is a UserError: it says nothing of where vLLM's repository begins."""
     path = path.strip().replace("\\", "/")
+    if path.startswith("/"):
+        raise UserError(
+            f"{path}: an absolute path; give paths relative to vLLM's repository (vllm/...), "
+            "as `git diff --name-only` prints them"
+        )
     while path.startswith("./"):
         path = path[2:]
-    return path.lstrip("/")
+    if path.startswith(GIT_PREFIXES):
+        path = path[2:]
+    return path
 
 
 def matches(changed: str, guard: str) -> bool:
+    """Whether a change to `changed` (a file, or a folder with or without its trailing /) touches
+    what `guard` names."""
     changed = normalize(changed)
+    if not changed:
+        return False
+    folder = changed if changed.endswith("/") else f"{changed}/"
+    if guard.startswith(folder):  # a changed folder holds the guard
+        return True
     if guard.endswith("/"):
-        return changed.startswith(guard) or (changed.endswith("/") and guard.startswith(changed))
-    return changed == guard or (changed.endswith("/") and guard.startswith(changed))
+        return changed.startswith(guard)
+    return changed == guard
 
 
 @dataclass(frozen=True)
@@ -95,7 +116,15 @@ def _run(args: argparse.Namespace) -> int:
     matrix = load_matrix(args.matrix or repo_root() / MATRIX_FILE)
     changed: list[str] = []
     for path in args.paths:
-        changed += sys.stdin.read().split() if path == "-" else [path]
+        if path != "-":
+            changed.append(path)
+            continue
+        read = sys.stdin.read().split()
+        if not read:
+            raise UserError("no paths on standard input (`-` reads them from it, one a line)")
+        changed += read
+    if not any(normalize(path) for path in changed):
+        raise UserError("no paths given")
     found = affected(matrix, changed)
     if args.json:
         print(json.dumps([a.to_dict() for a in found], indent=2))

