@@ -79,6 +79,31 @@ def page_reads(
     return [(layer, getattr(pair, side)) for pair in pairs for layer in group_layers[pair.group]]
 
 
+def table_pages(
+    table: Sequence[Sequence[int]],
+    whole_blocks: int,
+    groups: Sequence[int],
+    group_layers: Sequence[Sequence[str]],
+) -> tuple[list[PageKey], list[tuple[str, int]]]:
+    """The pages of one request's first `whole_blocks` blocks in `groups` (its block table on one
+    side, null blocks left out): their keys, and the (layer, block id) reads that give their
+    digests in the same order. For copies read at two moments (the GPU pages before an offload,
+    the restored ones after), each side is read from its own request's table."""
+    keys: list[PageKey] = []
+    reads: list[tuple[str, int]] = []
+    for group in groups:
+        blocks = table[group]
+        if whole_blocks > len(blocks):
+            raise ValueError(f"group {group}: {whole_blocks} blocks asked, {len(blocks)} in table")
+        for position in range(whole_blocks):
+            if blocks[position] == NULL_BLOCK:
+                continue
+            for layer in group_layers[group]:
+                keys.append((group, position, layer))
+                reads.append((layer, int(blocks[position])))
+    return keys, reads
+
+
 def keyed(
     pairs: Sequence[BlockPair],
     group_layers: Sequence[Sequence[str]],

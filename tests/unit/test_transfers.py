@@ -123,3 +123,27 @@ def test_swapped_needs_two_distinct_blocks() -> None:
 def test_keyed_refuses_a_short_read() -> None:
     with pytest.raises(ValueError, match="4 pages read but 3"):
         transfers.keyed(_pairs(), LAYERS, [["a"], ["b"], ["c"]])
+
+
+def test_table_pages_read_one_sides_table() -> None:
+    table = [[5, 6, 7], [0, 9, 10], [3]]
+    keys, reads = transfers.table_pages(table, 2, [0, 1], LAYERS)
+    assert keys == [(0, 0, "attn.0"), (0, 1, "attn.0"), (1, 1, "gdn.0")]
+    assert reads == [("attn.0", 5), ("attn.0", 6), ("gdn.0", 9)]
+    with pytest.raises(ValueError, match="2 blocks asked, 1 in table"):
+        transfers.table_pages(table, 2, [2], LAYERS)
+
+
+def test_table_pages_of_two_moments_compare() -> None:
+    # The GPU pages of the cold run's blocks, then the restored blocks of the warm run: other
+    # block ids, the same bytes where the restore is faithful.
+    before_keys, _ = transfers.table_pages([[5, 6], [0, 9]], 2, [0, 1], LAYERS)
+    after_keys, _ = transfers.table_pages([[15, 16], [0, 19]], 2, [0, 1], LAYERS)
+    assert before_keys == after_keys
+    digests = [["x"], ["y"], ["z", "w"]]
+    sent = dict(zip(before_keys, map(tuple, digests), strict=True))
+    received = dict(zip(after_keys, map(tuple, digests), strict=True))
+    assert transfers.check_copied(sent, received).states == 4
+    received[(1, 1, "gdn.0")] = ("z", "stale")
+    with pytest.raises(AssertionError, match=r"state\(s\) \[1\]"):
+        transfers.check_copied(sent, received)
