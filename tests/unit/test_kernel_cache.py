@@ -192,9 +192,13 @@ def test_written_counts_new_and_rewritten_files_only(clean_env: Path, monkeypatc
     assert all(not paths for name, paths in changed.items() if name not in ("triton", "flashinfer"))
     assert set(changed) == {lib.name for lib in kernel_cache.LIBRARIES}
     assert old.is_file()
+    monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "0")
     record = kernel_cache.compile_record(changed, 12.345)
     assert record["seconds"] == 12.35
     assert record["entries_added"]["triton"] == 1 and record["entries_added"]["vllm"] == 0
+    assert record["guard"] is False
+    monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "1")  # the report marks such a start
+    assert kernel_cache.compile_record(changed, None)["guard"] is True
 
 
 def _bump_mtime(path: Path) -> None:

@@ -15,7 +15,7 @@ import pytest
 import results_tree
 from junitparser import JUnitXml
 
-from glm5_matrix import report
+from glm5_matrix import report, report_html
 from glm5_matrix.profiles import repo_root
 
 ROOT = repo_root()
@@ -81,8 +81,17 @@ def test_engine_starts_and_figures(built):
     assert report.figure_verdict(figures["layout.block_size"]) == "within"
     assert report.figure_verdict(figures["repeat.logprob_delta"]) == "outside"
     assert report.figure_verdict(figures["layout.kv_groups"]) == ""
-    # issue 13's optional compile seconds are read where present
-    assert _cell(built, "offload-tp1(simple)").describe_starts() == "1 (30 s), 12 s compiling"
+    # issue 13's optional torch.compile seconds, issue 26's kernel files per start and the
+    # guard, each read where present ("?": a start that did not record its files)
+    assert _cell(built, "offload-tp1(simple)").describe_starts() == (
+        "3 (114 s), 12 s torch.compile, kernel files compiled per start: ?, 9 (under the guard), 2"
+    )
+    html = report_html.render(built)
+    assert (
+        '<td class="o-failed">9 (deep_gemm 8, flashinfer 1): compiled under the kernel guard</td>'
+        in html
+    )
+    assert "<td>2 (triton 2)</td>" in html
 
 
 def test_markdown_is_short_and_escaped(built):
