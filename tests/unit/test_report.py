@@ -48,6 +48,10 @@ def test_every_outcome_a_cell_can_have(built):
     assert status["pd-nixl-cpu"] == "interrupted: no results.json (the run ended early)"
     assert status["offload-tp1(simple)"] == "interrupted: signal SIGTERM"
     assert status["e2e-tp2(flashinfer)"] == "not run"
+    # The cell a lent runner cannot finish (fused_moe_90, README): never shown as verified.
+    assert status["e2e-tp1(flashinfer)"] == "not run"
+    row = next(x for x in report.markdown(built).splitlines() if "`e2e-tp1(flashinfer)`" in x)
+    assert "| not run |" in row and "passed" not in row
     # Every variant of the matrix is there, in matrix order, then what the matrix lost.
     ids = [c.id for c in built.cells]
     assert ids[:-1] == [v.id for v in results_tree.matrix().variants]
@@ -116,6 +120,7 @@ def test_merged_junit_names_every_test_with_its_cell(built, tmp_path):
     xml = JUnitXml.fromfile(str(path))
     suites = {suite.name: suite for suite in xml}
     assert "e2e-tp2(flashinfer)" not in suites  # not run: nothing to report
+    assert "e2e-tp1(flashinfer)" not in suites
     cases = [(suite.name, case) for suite in xml for case in suite]
     assert all(case.classname.startswith(name) for name, case in cases)
     names = [(case.classname, case.name) for _, case in cases]
