@@ -18,6 +18,11 @@ against warm and leaves the cells a warm cache.
 prints the same table from runs made already: the engine starts recorded under two results
 folders (here a first warm step on a fresh machine, then the cells themselves), for machines
 whose commands may not run long enough for both warm steps at once.
+
+Per configuration (an engine start label): cold is its first start under COLD, warm its slowest
+start under WARM (a cell may start one configuration more than once), and the ratio warm/cold
+against the bar, warm <= 0.2 x cold (issue 26). Exit status 1 when a configuration is over the
+bar, or when no configuration has both a cold and a warm start to compare.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from glm5_matrix.results import write_json_atomic  # noqa: E402
 
 
 def warm_run(
@@ -49,13 +57,30 @@ def warm_run(
     return recorded_starts(results / "warm")
 
 
-def recorded_starts(folder: Path) -> dict[str, dict[str, Any]]:
-    """{label: engine start entry} of every results.json under `folder` (the first of a label)."""
+BAR = 0.2  # warm start seconds <= BAR x cold start seconds, for every configuration
+
+
+def recorded_starts(folder: Path, *, slowest: bool = False) -> dict[str, dict[str, Any]]:
+    """{label: engine start entry} of every results.json under `folder`: the first start of a
+    label, or with `slowest` the slowest one."""
     starts: dict[str, dict[str, Any]] = {}
     for path in sorted(folder.rglob("results.json")):
-        for start in json.loads(path.read_text()).get("engine_starts", []):
-            starts.setdefault(start["label"], start)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"engine_start.py: {path}: not a results file: {exc}") from None
+        for start in data.get("engine_starts") or []:
+            label = start["label"]
+            if label not in starts or (slowest and start["seconds"] > starts[label]["seconds"]):
+                starts[label] = start
     return starts
+
+
+def ratio(cold: dict[str, Any] | None, warm: dict[str, Any] | None) -> float | None:
+    """warm seconds / cold seconds, None without both (or with a cold start of 0 s)."""
+    if not cold or not warm or not cold["seconds"]:
+        return None
+    return float(warm["seconds"]) / float(cold["seconds"])
 
 
 def compiled(start: dict[str, Any] | None) -> str:
@@ -86,7 +111,8 @@ def main() -> int:
         missing = [str(d) for d in args.table if not d.is_dir()]
         if missing:
             sys.exit(f"engine_start.py: --table: {missing[0]}: folder not found")
-        cold, warm = (recorded_starts(d) for d in args.table)
+        cold = recorded_starts(args.table[0])
+        warm = recorded_starts(args.table[1], slowest=True)
         return table(cold, warm, args.json)
     if args.root is not None and args.root.exists() and any(args.root.iterdir()):
         sys.exit(f"engine_start.py: --root {args.root} is not empty, so not cold")
@@ -106,18 +132,47 @@ def main() -> int:
 def table(
     cold: dict[str, dict[str, Any]], warm: dict[str, dict[str, Any]], json_file: Path | None
 ) -> int:
+    """Print the table, cold against warm per configuration; 1 when the bar is missed (or
+    nothing could be compared), else 0."""
     labels = list(dict.fromkeys([*cold, *warm]))
     width = max([len("configuration"), *(len(label) for label in labels)])
-    print(f"\n{'configuration':<{width}}  {'cold s':>8}  {'warm s':>8}  compiled cold | warm")
-    rows = []
+    head = f"{'cold s':>8}  {'warm s':>8}  {'warm/cold':>9}  {f'<= {BAR}':>6}"
+    print(f"\n{'configuration':<{width}}  {head}  compiled cold | warm")
+    rows, over, compared = [], [], 0
     for label in labels:
         c, w = cold.get(label), warm.get(label)
         cs = f"{c['seconds']:.1f}" if c else "-"
         ws = f"{w['seconds']:.1f}" if w else "-"
-        print(f"{label:<{width}}  {cs:>8}  {ws:>8}  {compiled(c)} | {compiled(w)}")
-        rows.append({"configuration": label, "cold": c, "warm": w})
+        r = ratio(c, w)
+        verdict = "-" if r is None else "yes" if r <= BAR else "NO"
+        if r is not None:
+            compared += 1
+            if r > BAR:
+                over.append(f"{label} ({r:.2f})")
+        rs = "-" if r is None else f"{r:.2f}"
+        print(
+            f"{label:<{width}}  {cs:>8}  {ws:>8}  {rs:>9}  {verdict:>6}  "
+            f"{compiled(c)} | {compiled(w)}"
+        )
+        rows.append(
+            {
+                "configuration": label,
+                "cold": c,
+                "warm": w,
+                "ratio": None if r is None else round(r, 4),
+                "bar": BAR,
+                "within": None if r is None else r <= BAR,
+            }
+        )
     if json_file is not None:
-        json_file.write_text(json.dumps(rows, indent=2) + "\n")
+        write_json_atomic(json_file, rows)
+    if not compared:
+        print(f"\nbar warm/cold <= {BAR}: no configuration has both a cold and a warm start")
+        return 1
+    if over:
+        print(f"\nbar warm/cold <= {BAR}: missed by {len(over)} of {compared}: {', '.join(over)}")
+        return 1
+    print(f"\nbar warm/cold <= {BAR}: met by all {compared} configuration(s) compared")
     return 0
 
 

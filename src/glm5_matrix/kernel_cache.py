@@ -59,8 +59,24 @@ is what makes two cells at once safe without a lock of ours:
 
 Not cacheable across processes, so compiled on every engine start whatever the cache holds:
 CuTeDSL kernels (cute.compile, in memory), CUDA graph capture, and what vLLM's own warm-up
-tunes in memory. What a cell compiled is found by comparing snapshots of the library folders
-(new or rewritten files, locks and temp files aside): `written()`.
+tunes in memory. What a cell compiled is found by comparing snapshots of the library folders:
+`written()` counts a file that is new, or whose size or bytes changed. Not a compile: locks and
+temporary files (TRANSIENT), each library's bookkeeping (Library.bookkeeping), and a file whose
+mtime moved but whose bytes did not (`touched()`; the bytes are compared for files of at most
+DIGEST_LIMIT bytes, a larger file with a new mtime counts). Two libraries write at every engine
+start without compiling, which is what made every start after the warm step "compile" 9 files
+(deep_gemm 8, flashinfer 1; an offload start 6):
+
+- DeepGEMM (deep_jit, vendored in vllm/third_party/deep_gemm): a disk-cache hit sets the mtime of
+  the kernel's empty commit marker cache/<kernel>.<digest>/.committed to now (DiskCache::entry
+  calls try_update_mtime, "LRU friendly": deepseek-ai/DeepJIT include/deep_jit/cache/disk.hpp and
+  utils/filesystem.hpp; _C_extension.abi3.so imports the setter std::filesystem::last_write_time),
+  one marker per kernel a start loads: 8 in e2e-tp1(deep_gemm), 5 in offload-tp1. A compile
+  builds kernel.cu, kernel.cubin, meta.json and the marker in tmp/<uuid> and renames the folder
+  into place: new files, which count.
+- FlashInfer: every process that logs through its JIT logger (the autotuner does, at each start)
+  appends to <workspace>/.cache/flashinfer/<version>/<archs>/flashinfer_jit.log
+  (flashinfer/jit/core.py:53-64, a logging.FileHandler): a log, bookkeeping.
 """
 
 from __future__ import annotations
@@ -104,7 +120,13 @@ class Library:
 
 
 LIBRARIES = (
-    Library("flashinfer", "FLASHINFER_WORKSPACE_BASE", "flashinfer", (".ninja_log", ".ninja_deps")),
+    # flashinfer_jit.log: FlashInfer's JIT logger appends to it in every process that logs.
+    Library(
+        "flashinfer",
+        "FLASHINFER_WORKSPACE_BASE",
+        "flashinfer",
+        (".ninja_log", ".ninja_deps", "flashinfer_jit.log"),
+    ),
     Library("deep_gemm", "DG_JIT_CACHE_DIR", "deep_gemm"),
     Library("triton", "TRITON_CACHE_DIR", "triton"),
     Library("inductor", "TORCHINDUCTOR_CACHE_DIR", "inductor"),
@@ -309,8 +331,13 @@ def ensure_active() -> None:
 
 # --- what was compiled ----------------------------------------------------------------------------
 
-# {library: {relative path: (size, mtime_ns)}}
-Snapshot = dict[str, dict[str, tuple[int, int]]]
+# Files up to this size have their bytes hashed in a snapshot, so that a file touched without a
+# change (DeepGEMM's .committed markers, empty) is told from a rewrite. Kernels are larger.
+DIGEST_LIMIT = 64 * 1024
+# (size, mtime_ns, sha256 of the bytes or None above DIGEST_LIMIT)
+FileState = tuple[int, int, str | None]
+# {library: {relative path: FileState}}
+Snapshot = dict[str, dict[str, FileState]]
 
 
 def watched(environ: Mapping[str, str] | None = None) -> dict[str, Path]:
@@ -350,30 +377,55 @@ def files(folder: Path) -> dict[str, tuple[int, int]]:
     return found
 
 
+def _digest(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def states(folder: Path) -> dict[str, FileState]:
+    """files(folder) with the sha256 of each file of at most DIGEST_LIMIT bytes."""
+    return {
+        relative: (size, mtime, _digest(folder / relative) if size <= DIGEST_LIMIT else None)
+        for relative, (size, mtime) in files(folder).items()
+    }
+
+
 def snapshot(environ: Mapping[str, str] | None = None) -> Snapshot:
-    return {name: files(folder) for name, folder in watched(environ).items()}
+    return {name: states(folder) for name, folder in watched(environ).items()}
+
+
+def touched(then: FileState, now: FileState) -> bool:
+    """The file's mtime moved but its bytes are the ones it had: not a compile. Unknown bytes
+    (a file over DIGEST_LIMIT, or unreadable) are not assumed equal."""
+    return then[0] == now[0] and then[2] is not None and then[2] == now[2]
 
 
 def written(before: Snapshot, after: Snapshot) -> dict[str, list[str]]:
-    """{library: [files created or rewritten between the snapshots]} for every library in
-    `after` (empty lists included), bookkeeping files aside."""
+    """{library: [files created, or rewritten with other bytes, between the snapshots]} for
+    every library in `after` (empty lists included), bookkeeping files aside."""
     libraries = {lib.name: lib for lib in LIBRARIES}
     changed: dict[str, list[str]] = {}
     for name, now in after.items():
         then = before.get(name, {})
         changed[name] = sorted(
             path
-            for path, stat in now.items()
-            if then.get(path) != stat and not is_bookkeeping(libraries[name], path)
+            for path, state in now.items()
+            if (path not in then or (then[path] != state and not touched(then[path], state)))
+            and not is_bookkeeping(libraries[name], path)
         )
     return changed
 
 
 def compile_record(changed: Mapping[str, list[str]], seconds: float | None) -> dict[str, object]:
-    """The "compile" object of a results.json engine start."""
+    """The "compile" object of a results.json engine start: vLLM's torch.compile seconds, the
+    kernel files each library compiled, and whether the guard was on (then a start that
+    compiled is refused right after this is recorded)."""
     return {
         "seconds": None if seconds is None else round(seconds, 2),
         "entries_added": {name: len(paths) for name, paths in sorted(changed.items())},
+        "guard": guard_enabled(),
     }
 
 

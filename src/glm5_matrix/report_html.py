@@ -17,8 +17,10 @@ from glm5_matrix.report import (
     CellReport,
     MatrixReport,
     TestResult,
+    compiled_under_guard,
     figure_verdict,
     format_value,
+    kernel_files,
 )
 
 OUTCOME_WORDS = {
@@ -184,6 +186,22 @@ def _weights(context: dict[str, Any]) -> str:
     return escape(" ".join(p for p in parts if p))
 
 
+def _kernel_files_cell(start: dict[str, Any]) -> str:
+    """The kernel files an engine start compiled: the count and each library's share, marked
+    as a failure when the kernel guard was on."""
+    total = kernel_files(start)
+    if total is None:
+        return "<td></td>"
+    added = start["compile"]["entries_added"]
+    text = str(total)
+    shares = ", ".join(f"{name} {n}" for name, n in sorted(added.items()) if n)
+    if shares:
+        text += f" ({shares})"
+    if compiled_under_guard(start):
+        return f'<td class="o-failed">{escape(text)}: compiled under the kernel guard</td>'
+    return f"<td>{escape(text)}</td>"
+
+
 def _cell_detail(cell: CellReport) -> str:
     ctx = cell.context
     rows = [
@@ -218,11 +236,13 @@ def _cell_detail(cell: CellReport) -> str:
                 f"<tr><td><code>{escape(str(start.get('label')))}</code></td>"
                 f"<td>{escape(format_value(start.get('seconds'), 's'))}</td>"
                 f"<td>{escape(format_value(compiled, 's')) if compiled is not None else ''}</td>"
+                f"{_kernel_files_cell(start)}"
                 f"<td><code>{escape(str(start.get('test') or ''))}</code></td></tr>"
             )
         parts.append(
             "<h4>Engine starts</h4><table><tr><th>engine</th><th>seconds</th>"
-            f"<th>compiling</th><th>test</th></tr>{''.join(body)}</table>"
+            "<th>torch.compile</th><th>kernel files compiled</th><th>test</th></tr>"
+            f"{''.join(body)}</table>"
         )
     if cell.figures:
         body = []

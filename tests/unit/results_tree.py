@@ -139,12 +139,34 @@ def build(base: Path, work: Path) -> Path:
                     },
                 },
                 "engine_starts": [
+                    # issue 13's record: torch.compile seconds only
                     {
                         "label": "engine:x",
                         "seconds": 30.0,
                         "test": None,
                         "compile": {"seconds": 12.0},
-                    }
+                    },
+                    # issue 26's: kernel files per library, and whether the guard was on
+                    {
+                        "label": "engine:y",
+                        "seconds": 46.1,
+                        "test": "tests/suites/test_offload.py::test_a",
+                        "compile": {
+                            "seconds": 0.0,
+                            "entries_added": {"deep_gemm": 8, "flashinfer": 1, "triton": 0},
+                            "guard": True,
+                        },
+                    },
+                    {
+                        "label": "engine:z",
+                        "seconds": 37.7,
+                        "test": "tests/suites/test_offload.py::test_b",
+                        "compile": {
+                            "seconds": 0.0,
+                            "entries_added": {"deep_gemm": 0, "triton": 2},
+                            "guard": False,
+                        },
+                    },
                 ],
                 "figures": [],
                 "complete": False,

@@ -192,9 +192,71 @@ def test_written_counts_new_and_rewritten_files_only(clean_env: Path, monkeypatc
     assert all(not paths for name, paths in changed.items() if name not in ("triton", "flashinfer"))
     assert set(changed) == {lib.name for lib in kernel_cache.LIBRARIES}
     assert old.is_file()
+    monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "0")
     record = kernel_cache.compile_record(changed, 12.345)
     assert record["seconds"] == 12.35
     assert record["entries_added"]["triton"] == 1 and record["entries_added"]["vllm"] == 0
+    assert record["guard"] is False
+    monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "1")  # the report marks such a start
+    assert kernel_cache.compile_record(changed, None)["guard"] is True
+
+
+def _bump_mtime(path: Path) -> None:
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+
+
+def test_a_cache_hit_that_touches_files_is_no_compile_a_new_kernel_is(
+    clean_env: Path, monkeypatch
+) -> None:
+    """What every engine start wrote on the H200 after the warm step (issue 26): DeepGEMM bumps
+    the mtime of each loaded kernel's .committed marker, FlashInfer appends to its JIT log. Not
+    a compile; a kernel DeepGEMM builds (new files) and a marker rewritten with other bytes are."""
+    kernels = kernel_cache.prepare(kernel_cache.layout(KEY))
+    for name, value in kernels.variables.items():
+        monkeypatch.setenv(name, value)
+    cache = kernels.directory / "deep_gemm" / "cache"
+    loaded = cache / "sm90_fp8_gemm_1d2d.00f95db06c7064c1ad2c0b049bb2ce77"
+    for name, text in (("kernel.cu", "src"), ("kernel.cubin", "bin"), ("meta.json", "{}")):
+        _touch(loaded / name, text)
+    marker = _touch(loaded / ".committed", "")
+    other = _touch(cache / "transpose_fp32.eaf551a8d3e91643eaae74a2f689c12c" / ".committed", "")
+    small = _touch(kernels.directory / "vllm" / "autotune" / "fp8_gemm.json", '{"tactic": 3}')
+    triton = kernels.directory / "triton" / "K"
+    big = _touch(triton / "big.cubin", "b" * (kernel_cache.DIGEST_LIMIT + 1))
+    ptx = _touch(triton / "k.ptx", "version 1")
+    workspace = kernels.directory / "flashinfer" / ".cache" / "flashinfer" / "0.7.2.post1" / "90a"
+    log = _touch(workspace / "flashinfer_jit.log", "a\n")
+    before = kernel_cache.snapshot()
+
+    _bump_mtime(marker)  # a hit: try_update_mtime
+    small.write_text('{"tactic": 3}')  # rewritten with the same bytes (os.replace of a copy)
+    _bump_mtime(small)
+    with log.open("a") as handle:  # the autotuner's lines
+        handle.write("[Autotuner]: Autotuning process starts ...\n")
+    _bump_mtime(log)
+    unchanged = kernel_cache.written(before, kernel_cache.snapshot())
+    assert unchanged == {name: [] for name in kernel_cache.LIBRARY_NAMES}
+
+    built = cache / "sm90_fp8_gemm_1d2d.3efe06605fcfffd8867099179573a8dc"  # a miss: compiled
+    for name in ("kernel.cu", "kernel.cubin", "meta.json", ".committed"):
+        _touch(built / name, "" if name == ".committed" else name)
+    other.write_text("x")  # same name, other bytes: counts
+    _bump_mtime(big)  # too large to compare: a new mtime counts
+    ptx.write_text("version 2")  # same size, other bytes: counts
+    changed = kernel_cache.written(before, kernel_cache.snapshot())
+    assert changed["deep_gemm"] == [
+        "cache/sm90_fp8_gemm_1d2d.3efe06605fcfffd8867099179573a8dc/.committed",
+        "cache/sm90_fp8_gemm_1d2d.3efe06605fcfffd8867099179573a8dc/kernel.cu",
+        "cache/sm90_fp8_gemm_1d2d.3efe06605fcfffd8867099179573a8dc/kernel.cubin",
+        "cache/sm90_fp8_gemm_1d2d.3efe06605fcfffd8867099179573a8dc/meta.json",
+        "cache/transpose_fp32.eaf551a8d3e91643eaae74a2f689c12c/.committed",
+    ]
+    assert changed["triton"] == ["K/big.cubin", "K/k.ptx"]
+    assert changed["vllm"] == [] and changed["flashinfer"] == []
+    monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "1")
+    with pytest.raises(kernel_cache.KernelCompiled, match=r"deep_gemm: 5 file\(s\)"):
+        kernel_cache.refuse_compiled(changed, "the start of engine e")
 
 
 def test_guard_setting_follows_strict_unless_set(monkeypatch) -> None:

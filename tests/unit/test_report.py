@@ -15,7 +15,7 @@ import pytest
 import results_tree
 from junitparser import JUnitXml
 
-from glm5_matrix import report
+from glm5_matrix import report, report_html
 from glm5_matrix.profiles import repo_root
 
 ROOT = repo_root()
@@ -48,6 +48,10 @@ def test_every_outcome_a_cell_can_have(built):
     assert status["pd-nixl-cpu"] == "interrupted: no results.json (the run ended early)"
     assert status["offload-tp1(simple)"] == "interrupted: signal SIGTERM"
     assert status["e2e-tp2(flashinfer)"] == "not run"
+    # The cell a lent runner cannot finish (fused_moe_90, README): never shown as verified.
+    assert status["e2e-tp1(flashinfer)"] == "not run"
+    row = next(x for x in report.markdown(built).splitlines() if "`e2e-tp1(flashinfer)`" in x)
+    assert "| not run |" in row and "passed" not in row
     # Every variant of the matrix is there, in matrix order, then what the matrix lost.
     ids = [c.id for c in built.cells]
     assert ids[:-1] == [v.id for v in results_tree.matrix().variants]
@@ -81,8 +85,17 @@ def test_engine_starts_and_figures(built):
     assert report.figure_verdict(figures["layout.block_size"]) == "within"
     assert report.figure_verdict(figures["repeat.logprob_delta"]) == "outside"
     assert report.figure_verdict(figures["layout.kv_groups"]) == ""
-    # issue 13's optional compile seconds are read where present
-    assert _cell(built, "offload-tp1(simple)").describe_starts() == "1 (30 s), 12 s compiling"
+    # issue 13's optional torch.compile seconds, issue 26's kernel files per start and the
+    # guard, each read where present ("?": a start that did not record its files)
+    assert _cell(built, "offload-tp1(simple)").describe_starts() == (
+        "3 (114 s), 12 s torch.compile, kernel files compiled per start: ?, 9 (under the guard), 2"
+    )
+    html = report_html.render(built)
+    assert (
+        '<td class="o-failed">9 (deep_gemm 8, flashinfer 1): compiled under the kernel guard</td>'
+        in html
+    )
+    assert "<td>2 (triton 2)</td>" in html
 
 
 def test_markdown_is_short_and_escaped(built):
@@ -107,6 +120,7 @@ def test_merged_junit_names_every_test_with_its_cell(built, tmp_path):
     xml = JUnitXml.fromfile(str(path))
     suites = {suite.name: suite for suite in xml}
     assert "e2e-tp2(flashinfer)" not in suites  # not run: nothing to report
+    assert "e2e-tp1(flashinfer)" not in suites
     cases = [(suite.name, case) for suite in xml for case in suite]
     assert all(case.classname.startswith(name) for name, case in cases)
     names = [(case.classname, case.name) for _, case in cases]
