@@ -41,7 +41,10 @@ class Comparison:
 
     name: str
     floor: NoiseFloor
-    min_power: float = 2.0
+    # The bar every control's power must reach: the profile's min_power through repeated(). The
+    # default, 1, only asks for a rejection (the PD suite builds Comparisons itself until it
+    # calls repeated(); its verdicts are its own to change).
+    min_power: float = 1.0
 
     def agrees(self, reference: Scored, run: Scored, names: tuple[str, str]) -> Agreement:
         """`run` must agree with `reference` under the floor's tolerance."""
@@ -251,12 +254,13 @@ def measured(
     floor_factor: float = 1.0,
 ) -> Comparison:
     """PD suite only (until it calls repeated()): the reference run done twice, its floor taken
-    `floor_factor` times."""
+    `floor_factor` times. Its controls' power is recorded against a bar of 1 (a rejection), not
+    the profile's min_power: the PD suite's verdicts are its own to change."""
     floor = compare.noise_floor(first, second, names).with_factor(floor_factor)
     _record_floor(name, floor)
     if min_median_margin_steps is not None:
         _check_decisive(name, first, names[0], floor.step, min_median_margin_steps)
-    return Comparison(name, floor)
+    return Comparison(name, floor, min_power=1.0)
 
 
 def _slug(text: str) -> str:
