@@ -394,6 +394,14 @@ def check_rejected(
     return broken
 
 
+def unbounded_worst(reference: Scored, control: Scored) -> float:
+    """The worst difference by the rule's measure with no bound (every candidate both scored up
+    to and including a parting, and the gaps there); inf only where one side's token is unscored
+    by the other at the parting (no gap to measure) or the lengths differ."""
+    agreement, _ = _judge(reference, control, math.inf, ("reference", "control"))
+    return math.inf if agreement is None else agreement.worst_delta
+
+
 def control_delta(reference: Scored, control: Scored, tolerance: float) -> float:
     """How far a control is from the reference by the rule's measure with no bound: the worst
     difference over every candidate both scored up to and including a parting, or inf where

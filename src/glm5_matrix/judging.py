@@ -82,6 +82,13 @@ class Comparison:
             unit="nats",
         )
         record_figure(f"{label}.power", _power_figure(power), limit=self.min_power, relation=">=")
+        # Where it parts at no near-tie (power inf), how far its scores moved all the same.
+        worst = compare.unbounded_worst(reference, control)
+        record_figure(
+            f"{label}.control_worst_delta",
+            "inf" if math.isinf(worst) else round(worst, 6),
+            unit="nats",
+        )
         if not power >= self.min_power:
             raise AssertionError(
                 f"{self.name}: the control {names[1]!r} is only {power:.2f}x the tolerance "

@@ -328,6 +328,8 @@ def test_control_delta_of_a_parting() -> None:
     b = scored([1, 6], [{1: -0.5, 2: -2.0}, {6: -1.0, 5: -1.25, 7: -3.0}])
     assert compare.control_delta(a, b, 0.1) == math.inf
     assert compare.control_delta(a, b, 1.0) == pytest.approx(0.5)
+    assert compare.unbounded_worst(a, b) == pytest.approx(0.5)
+    assert compare.unbounded_worst(a, scored([1], [{1: -0.5}])) == math.inf
 
 
 # --- check_exact -------------------------------------------------------------------------------

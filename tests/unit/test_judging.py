@@ -81,7 +81,12 @@ def test_power_is_recorded_and_a_weak_control_fails() -> None:
     strong = greedy(nudged(logits, 4 * steps + 2))
     power = comparison.power(runs[0], strong, ("cold", "strong"))
     assert 3.0 < power < 5.0
-    assert _figures()["repeat.strong.control_delta"].unit == "nats"
+    strong_figures = _figures()
+    assert strong_figures["repeat.strong.control_delta"].unit == "nats"
+    assert (
+        strong_figures["repeat.strong.control_worst_delta"].value
+        == strong_figures["repeat.strong.control_delta"].value
+    )
 
 
 def test_a_control_that_parts_at_no_near_tie_has_infinite_power() -> None:
@@ -93,6 +98,7 @@ def test_a_control_that_parts_at_no_near_tie_has_infinite_power() -> None:
     figures = _figures()
     assert figures["repeat.other_model.power"].value == "inf"
     assert figures["repeat.other_model.control_delta"].value == "inf"
+    assert figures["repeat.other_model.control_worst_delta"].value == "inf"  # unscored token
     assert comparison.power(runs[0], other, ("cold", "other model")) == math.inf
 
 
