@@ -1,33 +1,50 @@
-"""Greedy comparisons as the suites run them: measure the engine's noise floor on the reference,
-judge the run under test against it, show with a negative control that the comparison can fail,
-and record every figure into the cell's results (results.record_figure).
+"""Greedy comparisons as the suites run them: measure the engine's noise on the reference done N
+times, judge the run under test against it, show with a negative control that the comparison
+can fail by a wide margin (its power), and record every figure into the cell's results
+(results.record_figure).
 
 The rule itself is compare's (pure); this module only orders the steps and records them, so that
 every suite (e2e repeat, offload warm run, MTP, DFlash2, PD) judges the same way and reports the
-same figures: NAME.noise_floor, NAME.logit_step, NAME.tolerance, NAME.median_margin_steps,
-NAME.worst_delta, NAME.matched_tokens, NAME.control_rejected.
+same figures: NAME.reference_repeats, NAME.noise_pairs, NAME.noise_min / _median / _max (nats)
+and _steps (logit steps), NAME.logit_step, NAME.tolerance, NAME.median_margin_steps, and per
+run or control NAME.SLUG.worst_delta, .matched_tokens, .power, .tokens_compared, .stopped_at.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from glm5_matrix import compare
-from glm5_matrix.compare import Agreement, NoiseFloor, Scored
+from glm5_matrix.compare import Agreement, NoiseFloor, Scored, TokenAgreement
 from glm5_matrix.results import record_figure
 
 # Candidates per step kept for the rule (each side's token must be among the other's).
 TOP_LOGPROBS = 5
+# The fewest reference runs a profile may ask for: three give three pairs, the least from which
+# a spread (largest less smallest pairwise difference) can be read.
+MIN_REFERENCE_REPEATS = 3
+
+
+def _power_figure(power: float) -> float | str:
+    """JSON holds no infinity: an infinite power is recorded as the string "inf"."""
+    return "inf" if math.isinf(power) else round(power, 3)
 
 
 @dataclass(frozen=True)
 class Comparison:
-    """One named comparison of a suite, with the noise floor it is judged against."""
+    """One named comparison of a suite, with the noise it is judged against and the power its
+    controls must reach."""
 
     name: str
     floor: NoiseFloor
+    # The bar every control's power must reach: the profile's min_power through repeated(). The
+    # default, 1, only asks for a rejection (the PD suite builds Comparisons itself until it
+    # calls repeated(); its verdicts are its own to change).
+    min_power: float = 1.0
 
     def agrees(self, reference: Scored, run: Scored, names: tuple[str, str]) -> Agreement:
         """`run` must agree with `reference` under the floor's tolerance."""
@@ -46,19 +63,130 @@ class Comparison:
             record_figure(f"{label}.parting_gaps", [round(g, 6) for g in agreement.parting_gaps])
         return agreement
 
+    def power(self, reference: Scored, control: Scored, names: tuple[str, str]) -> float:
+        """The control's delta (the rule's measure with no bound; infinite where it parts from
+        the reference at no near-tie) over the tolerance: printed and recorded, and at least the
+        profile's min_power, or an AssertionError that says to raise the signal."""
+        delta = compare.control_delta(reference, control, self.floor.tolerance)
+        tolerance = self.floor.tolerance
+        power = delta / tolerance if tolerance > 0 else math.inf
+        label = f"{self.name}.{_slug(names[1])}"
+        shown = "inf (it parts at no near-tie)" if math.isinf(delta) else f"{delta:.4f}"
+        print(
+            f"{self.name}: the control {names[1]!r}: delta {shown} / tolerance {tolerance:.4f} = "
+            f"power {power:.2f} (at least {self.min_power:g})"
+        )
+        record_figure(
+            f"{label}.control_delta",
+            "inf" if math.isinf(delta) else round(delta, 6),
+            unit="nats",
+        )
+        record_figure(f"{label}.power", _power_figure(power), limit=self.min_power, relation=">=")
+        # Where it parts at no near-tie (power inf), how far its scores moved all the same.
+        worst = compare.unbounded_worst(reference, control)
+        record_figure(
+            f"{label}.control_worst_delta",
+            "inf" if math.isinf(worst) else round(worst, 6),
+            unit="nats",
+        )
+        if not power >= self.min_power:
+            raise AssertionError(
+                f"{self.name}: the control {names[1]!r} is only {power:.2f}x the tolerance "
+                f"(delta {delta:.4f}, tolerance {tolerance:.4f}; {self.floor.describe()}), below "
+                f"the bar of {self.min_power:g}x: raise the signal (weights under which the "
+                "guarded defect moves the output far beyond rounding, a control that differs in "
+                "more of what the test guards, or a stronger comparison), never narrow the "
+                "tolerance below the noise measured here"
+            )
+        return power
+
+    def rejects(self, reference: Scored, control: Scored, names: tuple[str, str]) -> str:
+        """The negative control must fail the same rule, with at least min_power; returns why it
+        failed."""
+        reason = compare.check_rejected(reference, control, self.floor, names)
+        print(f"{self.name}: the control {names[1]!r} is rejected: {reason}")
+        record_figure(f"{self.name}.control_rejected", reason.split("\n")[0][:300])
+        self.power(reference, control, names)
+        return reason
+
+    def tokens_agree(
+        self, reference: Scored, run: Scored, names: tuple[str, str]
+    ) -> TokenAgreement:
+        """`run` (along another path: a drafter's verification) chooses the reference's tokens at
+        every decisive step (compare.check_tokens_while_decisive under the floor's tolerance);
+        printed and recorded, with the per-step logprob differences over the compared steps as
+        a distribution (recorded, not judged)."""
+        tolerance = self.floor.tolerance
+        label = f"{self.name}.{_slug(names[1])}"
+        try:
+            found = compare.check_tokens_while_decisive(reference, run, tolerance, names)
+        except AssertionError as failed:
+            record_figure(f"{label}.token_mismatch", str(failed).split("\n")[0][:300])
+            raise
+        print(f"{self.name}: {names[0]} vs {names[1]}: {found.describe(tolerance)}")
+        record_figure(f"{label}.tokens_compared", found.compared, limit=found.total, unit="tokens")
+        if found.stopped_at is not None and found.stop_margin is not None:
+            record_figure(f"{label}.stopped_at", found.stopped_at, unit="step")
+            record_figure(
+                f"{label}.stop_reason",
+                f"the reference's margin {found.stop_margin:.6f} at step {found.stopped_at} is "
+                f"within the tolerance {tolerance:.6f}",
+            )
+        deltas = compare.step_deltas(reference, run, found.compared)
+        if deltas:
+            step = self.floor.step
+            worst, median = max(deltas), statistics.median(deltas)
+            print(
+                f"{self.name}: {names[1]}'s logprobs over those steps differ per step by max "
+                f"{worst:.4f} ({self.floor.in_steps(worst):.1f} logit steps), median "
+                f"{median:.4f} (recorded, not judged: greedy decoding judges by tokens)"
+            )
+            record_figure(f"{label}.step_delta_max", round(worst, 6), unit="nats")
+            record_figure(f"{label}.step_delta_median", round(median, 6), unit="nats")
+            record_figure(
+                f"{label}.step_delta_max_steps",
+                round(worst / step, 2) if step else 0.0,
+                unit="logit steps",
+            )
+            record_figure(f"{label}.step_deltas", [round(d, 6) for d in deltas], unit="nats")
+        return found
+
+    def rejects_by_token(self, reference: Scored, control: Scored, names: tuple[str, str]) -> str:
+        """The control (the reference's runner-up taken at a decisive step) must fail
+        tokens_agree's rule, and its power must reach min_power; returns why it failed."""
+        try:
+            found = compare.check_tokens_while_decisive(
+                reference, control, self.floor.tolerance, names
+            )
+        except AssertionError as failed:
+            reason = str(failed).split("\n")[0]
+        else:
+            raise AssertionError(
+                f"{self.name}: the negative control {names[1]!r} passes the token rule against "
+                f"{names[0]!r} ({found.describe(self.floor.tolerance)}): the check cannot tell "
+                "a changed token from noise"
+            )
+        print(f"{self.name}: the control {names[1]!r} is rejected by its token: {reason}")
+        record_figure(f"{self.name}.control_rejected", reason[:300])
+        self.power(reference, control, names)
+        return reason
+
+    # --- PD suite only (tests/suites/test_pd.py, the lead's): a measured per-profile number of
+    # path steps. The other suites judge runs along another path by tokens_agree; these go when
+    # the PD suite moves to compare.check_exact / check_tokens_while_decisive.
+
     def across_path(self, steps: int, why: str) -> Comparison:
-        """This comparison for a run computed along another path (`why`), allowed `steps` logit
-        steps beyond the floor's tolerance: a measured profile value, recorded."""
+        """PD suite only: this comparison for a run computed along another path (`why`), allowed
+        `steps` logit steps beyond the floor's tolerance."""
         floor = self.floor.across_path(steps)
         print(f"{self.name}: {steps} path step(s) allowed ({why}): {floor.describe()}")
         record_figure(f"{self.name}.path_steps", steps, unit="logit steps")
         record_figure(f"{self.name}.path_tolerance", round(floor.tolerance, 6), unit="nats")
-        return Comparison(self.name, floor)
+        return Comparison(self.name, floor, self.min_power)
 
     def path_measured(self, reference: Scored, run: Scored, names: tuple[str, str]) -> float:
-        """How far `run` (computed along another path) is from `reference`, in logit steps, by
-        the same rule with no bound: printed and recorded before it is judged, so that a failing
-        run still shows the value a profile's path_steps would be re-measured from."""
+        """PD suite only: how far `run` is from `reference`, in logit steps, by the same rule with
+        no bound (inf where they part outright)."""
         try:
             worst = compare.noise_floor(reference, run, names).worst
         except AssertionError:  # they part outright: no path noise; agrees() says where
@@ -72,12 +200,56 @@ class Comparison:
         record_figure(f"{self.name}.path_worst_steps", round(steps, 2), unit="logit steps")
         return steps
 
-    def rejects(self, reference: Scored, control: Scored, names: tuple[str, str]) -> str:
-        """The negative control must fail the same rule; returns why it failed."""
-        reason = compare.check_rejected(reference, control, self.floor, names)
-        print(f"{self.name}: the control {names[1]!r} is rejected: {reason}")
-        record_figure(f"{self.name}.control_rejected", reason.split("\n")[0][:300])
-        return reason
+
+def _record_floor(name: str, floor: NoiseFloor) -> None:
+    print(f"{name}: {floor.describe()}")
+    record_figure(f"{name}.reference_repeats", floor.runs, unit="runs")
+    record_figure(f"{name}.noise_pairs", floor.pairs, unit="pairs")
+    for label, value in (("min", floor.least), ("median", floor.median), ("max", floor.worst)):
+        record_figure(f"{name}.noise_{label}", round(value, 6), unit="nats")
+        record_figure(
+            f"{name}.noise_{label}_steps", round(floor.in_steps(value), 2), unit="logit steps"
+        )
+    record_figure(f"{name}.noise_spread", round(floor.spread, 6), unit="nats")
+    record_figure(f"{name}.logit_step", floor.step, unit="nats")
+    record_figure(f"{name}.tolerance", round(floor.tolerance, 6), unit="nats")
+    record_figure(
+        f"{name}.tolerance_steps", round(floor.in_steps(floor.tolerance), 2), unit="logit steps"
+    )
+
+
+def _check_decisive(name: str, output: Scored, what: str, step: float, minimum: float) -> None:
+    decisive = compare.check_decisive(output, step, minimum, what)
+    print(f"{name}: {what}: {decisive.describe()}")
+    record_figure(
+        f"{name}.median_margin_steps",
+        round(decisive.median_steps, 2),
+        limit=minimum,
+        relation=">=",
+        unit="logit steps",
+    )
+    record_figure(f"{name}.exact_ties", decisive.ties, unit="steps")
+
+
+def repeated(name: str, runs: list[Any], names_prefix: str, tolerances: dict) -> Comparison:
+    """The reference done N = len(runs) >= 2 times: every pair compared (compare.noise_spread),
+    the distribution recorded, and the tolerance taken from it. `tolerances` is a profile table
+    with min_distinct_tokens (the first run must vary that much), min_median_margin_steps (its
+    greedy choices must win by that median margin) and min_power (what every control of the
+    comparison must reach). Runs are named "PREFIX #1" .. "PREFIX #N" in messages."""
+    for key in ("min_distinct_tokens", "min_median_margin_steps", "min_power"):
+        if key not in tolerances:
+            raise KeyError(f"{name}: the profile's tolerances lack {key!r}")
+    min_power = float(tolerances["min_power"])
+    if not min_power > 1.0:
+        raise ValueError(f"{name}: min_power {min_power} must be > 1")
+    names = [f"{names_prefix} #{i + 1}" for i in range(len(runs))]
+    compare.assert_varies(runs[0].token_ids, int(tolerances["min_distinct_tokens"]), names[0])
+    floor = compare.noise_spread(runs, names)
+    _record_floor(name, floor)
+    minimum = float(tolerances["min_median_margin_steps"])
+    _check_decisive(name, runs[0], names[0], floor.step, minimum)
+    return Comparison(name, floor, min_power)
 
 
 def measured(
@@ -88,64 +260,51 @@ def measured(
     min_median_margin_steps: float | None = None,
     floor_factor: float = 1.0,
 ) -> Comparison:
-    """The reference run done twice: its noise floor (recorded; the tolerance takes it
-    `floor_factor` times, the profile's measured [tolerances] floor_factor), and, when a minimum
-    is given, the check that its greedy choices win by that median margin in logit steps."""
+    """PD suite only (until it calls repeated()): the reference run done twice, its floor taken
+    `floor_factor` times. Its controls' power is recorded against a bar of 1 (a rejection), not
+    the profile's min_power: the PD suite's verdicts are its own to change."""
     floor = compare.noise_floor(first, second, names).with_factor(floor_factor)
-    print(f"{name}: {floor.describe()}")
-    record_figure(f"{name}.noise_floor", round(floor.worst, 6), unit="nats")
-    record_figure(f"{name}.logit_step", floor.step, unit="nats")
-    record_figure(f"{name}.tolerance", round(floor.tolerance, 6), unit="nats")
+    _record_floor(name, floor)
     if min_median_margin_steps is not None:
-        decisive = compare.check_decisive(first, floor.step, min_median_margin_steps, names[0])
-        print(f"{name}: {names[0]}: {decisive.describe()}")
-        record_figure(
-            f"{name}.median_margin_steps",
-            round(decisive.median_steps, 2),
-            limit=min_median_margin_steps,
-            relation=">=",
-            unit="logit steps",
-        )
-        record_figure(f"{name}.exact_ties", decisive.ties, unit="steps")
-    return Comparison(name, floor)
+        _check_decisive(name, first, names[0], floor.step, min_median_margin_steps)
+    return Comparison(name, floor, min_power=1.0)
 
 
 def _slug(text: str) -> str:
     return "_".join("".join(c if c.isalnum() else " " for c in text.lower()).split())
 
 
-def reference_twice(
+def reference_repeated(
     engine: Any,
     prompt: list[int],
     max_tokens: int,
     name: str,
     tolerances: dict[str, Any],
-    names: tuple[str, str] = ("cold", "cold again"),
+    names_prefix: str = "cold",
     reset: Callable[[], object] | None = None,
 ) -> tuple[Scored, Comparison]:
     """The reference: `prompt` on a running glm5_matrix.engines.Engine from an empty prefix cache
-    (emptied by `reset`, default the engine's reset_prefix_cache), done twice. Returns the first
-    run and the comparison measured from the two (the profile's min_distinct_tokens and
-    min_median_margin_steps apply to it)."""
+    (emptied by `reset`, default the engine's reset_prefix_cache), done the profile's
+    reference_repeats times. Returns the first run and the comparison measured from all of them
+    (repeated(): the profile's min_distinct_tokens, min_median_margin_steps and min_power)."""
+    repeats = int(tolerances["reference_repeats"])
+    if repeats < MIN_REFERENCE_REPEATS:
+        raise ValueError(
+            f"{name}: reference_repeats = {repeats}; at least {MIN_REFERENCE_REPEATS} runs are "
+            "needed for a spread of the noise"
+        )
     runs: list[Scored] = []
-    for _ in range(2):
+    for i in range(repeats):
         if reset is None:
             assert engine.reset_prefix_cache(), "reset_prefix_cache() refused"
         else:
             reset()
         run = engine.generate_scored(prompt, max_tokens, TOP_LOGPROBS)
-        assert not run.cached_tokens, f"{names[len(runs)]} is not cold: {run.cached_tokens} cached"
+        assert not run.cached_tokens, (
+            f"{names_prefix} #{i + 1} is not cold: {run.cached_tokens} cached"
+        )
         runs.append(run)
-    compare.assert_varies(runs[0].token_ids, int(tolerances["min_distinct_tokens"]), names[0])
-    comparison = measured(
-        name,
-        runs[0],
-        runs[1],
-        names,
-        min_median_margin_steps=float(tolerances["min_median_margin_steps"]),
-        floor_factor=float(tolerances["floor_factor"]),
-    )
-    return runs[0], comparison
+    return runs[0], repeated(name, runs, names_prefix, tolerances)
 
 
 def runner_up_control(
@@ -154,10 +313,12 @@ def runner_up_control(
     """The reference request steered (logit_bias) off its own choice at its first decisive step,
     so that it takes the runner-up there: what a drafted token accepted against the target's
     greedy choice amounts to (a broken verification). Its logprobs stay vLLM's raw ones."""
-    step = compare.decisive_step(reference, comparison.floor.tolerance)
+    tolerance = comparison.floor.tolerance
+    step = compare.decisive_step(reference, tolerance)
     assert step is not None, (
-        f"{comparison.name}: no step of the reference wins by more than the tolerance "
-        f"{comparison.floor.tolerance:.4f}: no control can be told apart from noise"
+        f"{comparison.name}: no step of the reference before its first within the noise wins by "
+        f"more than the tolerance {tolerance:.4f} with a token it had not chosen before: no "
+        "control can be told apart from noise"
     )
     token = reference.token_ids[step]
     print(f"{comparison.name}: control takes the runner-up at step {step} (not {token})")

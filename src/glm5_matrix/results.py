@@ -65,7 +65,7 @@ class EngineStart:
 class Figure:
     """A number a suite measured, with what it was judged against (when it was)."""
 
-    name: str  # dotted, e.g. "repeat.noise_floor", "layout.block_size"
+    name: str  # dotted, e.g. "repeat.noise_max", "layout.block_size"
     value: Any  # a number, or a short string / list for what is not one
     limit: Any = None  # what the value was compared with
     relation: str | None = None  # how: "<=", ">=", "==", ">" or "<"

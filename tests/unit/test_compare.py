@@ -6,6 +6,7 @@ import math
 import random
 
 import pytest
+from scored_data import DECISIVE, STEP, greedy, model_logits, nudged, scored
 
 from glm5_matrix import compare
 
@@ -88,48 +89,6 @@ def test_checkpoint_pages_reject_stale_or_missing_pages() -> None:
         )
 
 
-STEP = 2.0**-5  # one bf16 step of logits in [4, 8)
-
-
-def _run(tokens: list[int], top: list[dict[int, float]]) -> compare.GreedyOutput:
-    return compare.GreedyOutput(tokens, [step[t] for t, step in zip(tokens, top, strict=True)], top)
-
-
-def _bf16_logits(rng: random.Random, vocab: int, spread: float) -> list[float]:
-    """Logits as a bf16 engine makes them: values in [4, 8) on the grid of one bf16 step."""
-    return [4.0 + round(rng.uniform(0.0, spread) / STEP) * STEP for _ in range(vocab)]
-
-
-def _greedy(logits_per_step: list[list[float]], top: int = 5) -> compare.GreedyOutput:
-    """A greedy output with top-`top` logprobs from per-step logits (ties to the lower id)."""
-    tokens, scored = [], []
-    for logits in logits_per_step:
-        lse = math.log(math.fsum(math.exp(v) for v in logits))
-        order = sorted(range(len(logits)), key=lambda t: (-logits[t], t))
-        tokens.append(order[0])
-        scored.append({t: logits[t] - lse for t in order[:top]})
-    return _run(tokens, scored)
-
-
-def _engine(seed: int, steps: int = 12, vocab: int = 64) -> list[list[float]]:
-    """Per-step logits of a fixed 'model' (seed), on the bf16 grid, with clear winners."""
-    model = random.Random(seed)
-    out = []
-    for _ in range(steps):
-        logits = _bf16_logits(model, vocab, 2.5)
-        logits[model.randrange(vocab)] += 1.0  # a clear winner
-        out.append(logits)
-    return out
-
-
-def _nudged(logits: list[list[float]], steps: int, every: int = 3) -> list[list[float]]:
-    """The same logits with every `every`-th token's logit moved up by `steps` bf16 steps: what
-    a rerun of the request does to some logits on the GPU (one or two steps)."""
-    return [
-        [v + steps * STEP if t % every == 0 else v for t, v in enumerate(row)] for row in logits
-    ]
-
-
 def test_bf16_step() -> None:
     assert compare.bf16_step(8.1) == 2.0**-4
     assert compare.bf16_step(-7.9) == 2.0**-5
@@ -138,93 +97,140 @@ def test_bf16_step() -> None:
 
 
 def test_logit_step_is_read_off_the_candidates_grid() -> None:
-    output = _greedy(_engine(1))
+    output = greedy(model_logits(1))
     assert compare.logit_step(output) == STEP
     # A model whose logits are no bf16 numbers: one bf16 step at the logprobs' magnitude.
     rng = random.Random(3)
-    smooth = _greedy([[rng.uniform(0, 3) for _ in range(64)] for _ in range(8)])
+    smooth = greedy([[rng.uniform(0, 3) for _ in range(64)] for _ in range(8)])
     magnitude = sorted(abs(v) for v in smooth.logprobs)[len(smooth.logprobs) // 2]
     assert compare.logit_step(smooth) == compare.bf16_step(magnitude)
 
 
 def test_identical_runs_agree_with_a_zero_floor() -> None:
-    a = _greedy(_engine(1))
-    floor = compare.noise_floor(a, _greedy(_engine(1)))
+    a = greedy(model_logits(1))
+    floor = compare.noise_floor(a, greedy(model_logits(1)))
     assert floor.worst == 0.0 and floor.tolerance == STEP
-    agreement = compare.check_agreement(a, _greedy(_engine(1)), floor, ("cold", "repeat"))
+    assert (floor.runs, floor.pairs, floor.spread, floor.least_matched) == (2, 1, 0.0, 12)
+    agreement = compare.check_agreement(a, greedy(model_logits(1)), floor, ("cold", "repeat"))
     assert (agreement.matched, agreement.total, agreement.parting_gaps) == (12, 12, None)
 
 
 def test_a_run_within_the_floor_plus_one_step_agrees() -> None:
-    logits = _engine(1)
-    reference = _greedy(logits)
-    floor = compare.noise_floor(reference, _greedy(_nudged(logits, 1)), ("a", "a'"))
+    logits = model_logits(1)
+    reference = greedy(logits)
+    floor = compare.noise_floor(reference, greedy(nudged(logits, 1)), ("a", "a'"))
     assert floor.worst == pytest.approx(STEP, rel=0.1)  # one step, less the logsumexp's shift
     assert floor.tolerance == pytest.approx(2 * STEP, rel=0.05)
     # A run one step beyond the floor agrees; two steps beyond it does not.
-    compare.check_agreement(reference, _greedy(_nudged(logits, 2)), floor, ("a", "b"))
+    compare.check_agreement(reference, greedy(nudged(logits, 2)), floor, ("a", "b"))
     with pytest.raises(AssertionError, match=r"\|delta\| 0\.064\d+ > tolerance 0\.0625"):
-        compare.check_agreement(reference, _greedy(_nudged(logits, 3)), floor, ("a", "b"))
+        compare.check_agreement(reference, greedy(nudged(logits, 3)), floor, ("a", "b"))
+
+
+def test_the_noise_is_every_pair_of_the_reference_runs() -> None:
+    """Four runs nudged by 0, 1, 2 and 3 steps: six pairs, 1 to 3 steps apart. The tolerance is
+    the largest pair plus the range plus one step; a first pair alone (what the harness used)
+    would have given two steps."""
+    logits = model_logits(1, lead=DECISIVE)
+    runs = [greedy(nudged(logits, k)) for k in range(4)]
+    floor = compare.noise_spread(runs, [f"cold #{i + 1}" for i in range(4)])
+    assert (floor.runs, floor.pairs, floor.total, floor.least_matched) == (4, 6, 12, 12)
+    in_steps = sorted(round(w / STEP) for w in floor.pair_worsts)
+    assert in_steps == [1, 1, 1, 2, 2, 3]
+    # (Each a little under its nudge: the logsumexp moves with the nudged logits.)
+    assert floor.worst == max(floor.pair_worsts) and floor.least == min(floor.pair_worsts)
+    assert floor.in_steps(floor.median) == pytest.approx(1.5, abs=0.3)
+    assert floor.in_steps(floor.spread) == pytest.approx(2.0, abs=0.5)
+    assert floor.tolerance == pytest.approx(floor.worst + floor.spread + STEP)
+    assert floor.in_steps(floor.tolerance) == pytest.approx(6.0, abs=1.0)
+    assert "4 runs, 6 pair(s)" in floor.describe()
+    # A run five steps off the first agrees; seven steps off does not.
+    compare.check_agreement(runs[0], greedy(nudged(logits, 5)), floor, ("cold #1", "repeat"))
+    with pytest.raises(AssertionError, match="> tolerance"):
+        compare.check_agreement(runs[0], greedy(nudged(logits, 7)), floor, ("cold #1", "b"))
+    # The first pair alone is one sample: it would reject the five-step run.
+    first_pair = compare.noise_floor(runs[0], runs[1])
+    with pytest.raises(AssertionError, match="> tolerance"):
+        compare.check_agreement(runs[0], greedy(nudged(logits, 5)), first_pair, ("a", "b"))
+
+
+def test_a_bitwise_engine_has_a_one_step_tolerance_whatever_n() -> None:
+    runs = [greedy(model_logits(1, lead=DECISIVE)) for _ in range(3)]
+    floor = compare.noise_spread(runs, ["a", "b", "c"])
+    assert floor.pair_worsts == (0.0, 0.0, 0.0) and floor.tolerance == STEP
+
+
+def test_the_noise_refuses_too_few_runs_and_a_broken_pair() -> None:
+    a = greedy(model_logits(1, lead=DECISIVE))
+    with pytest.raises(ValueError, match="at least twice, not 1 run"):
+        compare.noise_spread([a], ["a"])
+    with pytest.raises(ValueError, match="2 name"):
+        compare.noise_spread([a, a, a], ["a", "b"])
+    with pytest.raises(ValueError, match="3 pair"):
+        compare.NoiseFloor((0.0, 0.0, 0.0), STEP, runs=2, least_matched=1, total=1)
+    # The third run parts from the second at a token the second did not score: broken, whichever
+    # pair it is in.
+    b = scored([1, 5], [{1: -0.5}, {5: -1.0, 6: -1.1}])
+    c = scored([1, 9], [{1: -0.5}, {9: -1.0, 5: -1.2}])
+    with pytest.raises(AssertionError, match="the reference run done 3 times: step 1"):
+        compare.noise_spread([b, b, c], ["a", "b", "c"])
 
 
 def test_a_run_along_another_path_gets_exactly_its_path_steps() -> None:
-    logits = _engine(1)
-    reference = _greedy(logits)
-    floor = compare.noise_floor(reference, _greedy(logits))
+    """PD suite only (Comparison.across_path), until it moves to the token rule."""
+    logits = model_logits(1)
+    reference = greedy(logits)
+    floor = compare.noise_floor(reference, greedy(logits))
     assert floor.worst == 0.0
-    # Two steps off (what D recomputing the last prompt token showed on the CPU build): rejected
-    # by the floor alone, accepted with path_steps = 2; three steps off is rejected even then.
     with pytest.raises(AssertionError, match=r"> tolerance 0\.0312"):
-        compare.check_agreement(reference, _greedy(_nudged(logits, 2)), floor, ("P", "P->D"))
+        compare.check_agreement(reference, greedy(nudged(logits, 2)), floor, ("P", "P->D"))
     across = floor.across_path(2)
     assert across.tolerance == pytest.approx(3 * STEP) and "2 path step(s)" in across.describe()
-    compare.check_agreement(reference, _greedy(_nudged(logits, 2)), across, ("P", "P->D"))
+    compare.check_agreement(reference, greedy(nudged(logits, 2)), across, ("P", "P->D"))
     with pytest.raises(AssertionError, match=r"> tolerance 0\.0938"):
-        compare.check_agreement(reference, _greedy(_nudged(logits, 4)), across, ("P", "P->D"))
+        compare.check_agreement(reference, greedy(nudged(logits, 4)), across, ("P", "P->D"))
     with pytest.raises(ValueError, match="path steps must be >= 0"):
         floor.across_path(-1)
 
 
 def test_a_floor_factor_scales_the_floor_and_nothing_else() -> None:
-    logits = _engine(1)
-    reference = _greedy(logits)
-    floor = compare.noise_floor(reference, _greedy(_nudged(logits, 2)))  # a floor of two steps
+    """PD suite only (judging.measured's floor_factor), until it calls judging.repeated."""
+    logits = model_logits(1)
+    reference = greedy(logits)
+    floor = compare.noise_floor(reference, greedy(nudged(logits, 2)))  # a floor of two steps
     assert floor.worst == pytest.approx(2 * STEP, rel=0.1)
-    # A second pair four steps apart (as the H200 showed: 1.4x the first pair's floor) fails
-    # the floor alone and passes twice it; eight steps apart fails that too.
     with pytest.raises(AssertionError, match="> tolerance"):
-        compare.check_agreement(reference, _greedy(_nudged(logits, 4)), floor, ("a", "b"))
+        compare.check_agreement(reference, greedy(nudged(logits, 4)), floor, ("a", "b"))
     doubled = floor.with_factor(2.0)
     assert doubled.tolerance == pytest.approx(2 * floor.worst + STEP)
-    assert doubled.describe().startswith("2 x noise floor")
-    compare.check_agreement(reference, _greedy(_nudged(logits, 4)), doubled, ("a", "b"))
+    assert "2 x max" in doubled.describe()
+    compare.check_agreement(reference, greedy(nudged(logits, 4)), doubled, ("a", "b"))
     with pytest.raises(AssertionError, match="> tolerance"):
-        compare.check_agreement(reference, _greedy(_nudged(logits, 8)), doubled, ("a", "b"))
-    # A zero floor (the CPU build) stays one step whatever the factor.
-    zero = compare.noise_floor(reference, _greedy(logits)).with_factor(2.0)
+        compare.check_agreement(reference, greedy(nudged(logits, 8)), doubled, ("a", "b"))
+    zero = compare.noise_floor(reference, greedy(logits)).with_factor(2.0)
     assert zero.tolerance == STEP
     with pytest.raises(ValueError, match="floor factor must be >= 1"):
         floor.with_factor(0.5)
 
 
 def test_a_path_is_measured_in_steps_before_it_is_judged() -> None:
+    """PD suite only (Comparison.path_measured)."""
     from glm5_matrix import judging
 
-    logits = _engine(1)
-    reference = _greedy(logits)
-    comparison = judging.Comparison("pd", compare.noise_floor(reference, _greedy(logits)))
-    measured = comparison.path_measured(reference, _greedy(_nudged(logits, 2)), ("P", "P->D"))
+    logits = model_logits(1)
+    reference = greedy(logits)
+    comparison = judging.Comparison("pd", compare.noise_floor(reference, greedy(logits)))
+    measured = comparison.path_measured(reference, greedy(nudged(logits, 2)), ("P", "P->D"))
     assert measured == pytest.approx(2.0, abs=0.1)
-    # Another model state parts outright: no path noise to measure.
-    other = _greedy(_engine(2))
+    other = greedy(model_logits(2))
     assert comparison.path_measured(reference, other, ("P", "other")) == math.inf
 
 
 def test_parting_at_a_near_tie_within_the_tolerance_is_accepted() -> None:
     tie = {5: -1.0, 6: -1.0, 7: -3.0}
-    a = _run([1, 5, 9], [{1: -0.5, 2: -2.0}, tie, {9: -0.1}])
-    b = _run([1, 6, 3], [{1: -0.5, 2: -2.0}, {6: -1.0, 5: -1.0 - STEP, 7: -3.0}, {3: -0.2}])
-    floor = compare.NoiseFloor(0.0, STEP, compare.noise_floor(a, a).agreement)
+    a = scored([1, 5, 9], [{1: -0.5, 2: -2.0}, tie, {9: -0.1}])
+    b = scored([1, 6, 3], [{1: -0.5, 2: -2.0}, {6: -1.0, 5: -1.0 - STEP, 7: -3.0}, {3: -0.2}])
+    floor = compare.NoiseFloor((0.0,), STEP, runs=2, least_matched=3, total=3)
     agreement = compare.check_agreement(a, b, floor, ("a", "b"))
     assert agreement.matched == 1 and agreement.compared_steps == 2
     assert agreement.parting_gaps == (0.0, STEP)
@@ -236,51 +242,183 @@ def test_parting_at_a_near_tie_within_the_tolerance_is_accepted() -> None:
     [
         # parts at a clear winner
         (
-            _run([1, 6], [{1: -0.5, 2: -2.0}, {6: -0.97, 5: -1.02, 7: -3.0}]),
+            scored([1, 6], [{1: -0.5, 2: -2.0}, {6: -0.97, 5: -1.02, 7: -3.0}]),
             r"step 1: b prefers 6 over 5 by 0\.0500 > tolerance",
         ),
         # parts at a token the other run did not score
         (
-            _run([1, 8], [{1: -0.5, 2: -2.0}, {8: -0.9, 6: -1.0, 7: -3.0}]),
+            scored([1, 8], [{1: -0.5, 2: -2.0}, {8: -0.9, 6: -1.0, 7: -3.0}]),
             "step 1: a's candidates .* lack the other side's token 8",
         ),
         # same tokens, a candidate scored otherwise
         (
-            _run([1, 5], [{1: -0.5, 2: -2.5}, {5: -1.0, 6: -1.0, 7: -3.0}]),
+            scored([1, 5], [{1: -0.5, 2: -2.5}, {5: -1.0, 6: -1.0, 7: -3.0}]),
             r"step 0: token 2 scores -2\.0000 in a and -2\.5000 in b",
         ),
-        (_run([1], [{1: -0.5}]), "a has 2 tokens, b 1"),
+        (scored([1], [{1: -0.5}]), "a has 2 tokens, b 1"),
     ],
 )
 def test_the_rule_rejects(b: compare.GreedyOutput, message: str) -> None:
-    a = _run([1, 5], [{1: -0.5, 2: -2.0}, {5: -1.0, 6: -1.0, 7: -3.0}])
-    floor = compare.NoiseFloor(0.0, STEP, compare.noise_floor(a, a).agreement)
+    a = scored([1, 5], [{1: -0.5, 2: -2.0}, {5: -1.0, 6: -1.0, 7: -3.0}])
+    floor = compare.NoiseFloor((0.0,), STEP, runs=2, least_matched=2, total=2)
     with pytest.raises(AssertionError, match=message):
         compare.check_agreement(a, b, floor, ("a", "b"))
     assert message.split(":")[0].split(" ")[0] in compare.check_rejected(a, b, floor, ("a", "b"))
 
 
 def test_a_control_that_passes_is_a_failure() -> None:
-    a = _greedy(_engine(1))
+    a = greedy(model_logits(1))
     floor = compare.noise_floor(a, a)
     with pytest.raises(AssertionError, match="negative control 'other' passes"):
-        compare.check_rejected(a, _greedy(_engine(1)), floor, ("ref", "other"))
+        compare.check_rejected(a, greedy(model_logits(1)), floor, ("ref", "other"))
     # Another model state (another seed) is rejected at step 0.
-    reason = compare.check_rejected(a, _greedy(_engine(2)), floor, ("ref", "other"))
+    reason = compare.check_rejected(a, greedy(model_logits(2)), floor, ("ref", "other"))
     assert reason.startswith("step 0")
 
 
 def test_a_reference_that_parts_at_an_unscored_token_is_no_floor() -> None:
-    a = _run([1, 5], [{1: -0.5}, {5: -1.0, 6: -1.1}])
-    b = _run([1, 9], [{1: -0.5}, {9: -1.0, 5: -1.2}])
-    with pytest.raises(AssertionError, match="the reference run done twice: step 1"):
+    a = scored([1, 5], [{1: -0.5}, {5: -1.0, 6: -1.1}])
+    b = scored([1, 9], [{1: -0.5}, {9: -1.0, 5: -1.2}])
+    with pytest.raises(AssertionError, match="the reference run done 2 times: step 1"):
         compare.noise_floor(a, b)
 
 
 def test_margins_and_decisiveness() -> None:
-    out = _run([1, 5, 9], [{1: -0.5, 2: -2.0}, {5: -1.0, 6: -1.0}, {9: -0.1}])
+    out = scored([1, 5, 9], [{1: -0.5, 2: -2.0}, {5: -1.0, 6: -1.0}, {9: -0.1}])
     assert compare.margins(out) == [1.5, 0.0, math.inf]
     found = compare.check_decisive(out, STEP, 40, "out")
     assert (found.median_steps, found.least_steps, found.ties) == (48.0, 0.0, 1)
     with pytest.raises(AssertionError, match=r"out is flat: greedy margins: median 48\.0"):
         compare.check_decisive(out, STEP, 49, "out")
+
+
+def test_decisive_step_stops_where_the_token_rule_stops() -> None:
+    out = scored(
+        [1, 1, 5, 9],
+        [{1: -0.1, 2: -2.0}, {1: -0.1, 2: -2.0}, {5: -0.5, 6: -0.5}, {9: -0.1, 3: -3.0}],
+    )
+    assert compare.decisive_step(out, STEP) == 0
+    # Step 0 is a tie: the token rule stops there, so the decisive step 1 after it is no control.
+    later = scored(out.token_ids[2:], list(out.top_logprobs[2:]))
+    assert compare.margins(later)[1] > STEP
+    assert compare.decisive_step(later, STEP) is None
+    assert compare.decisive_step(out, 5.0) is None  # no margin beats a tolerance of 5
+
+
+# --- control_delta: the power's numerator ------------------------------------------------------
+
+
+def test_control_delta_measures_with_no_bound() -> None:
+    logits = model_logits(1, lead=DECISIVE)
+    reference = greedy(logits)
+    assert compare.control_delta(reference, greedy(logits), STEP) == 0.0
+    # Same tokens, logits moved by 9 steps: its worst difference, however far past the bound.
+    moved = compare.control_delta(reference, greedy(nudged(logits, 9)), STEP)
+    assert 7 * STEP < moved <= 9 * STEP
+    # Another model parts at step 0, a token of its own: infinite.
+    assert (
+        compare.control_delta(reference, greedy(model_logits(2, lead=DECISIVE)), STEP) == math.inf
+    )
+
+
+def test_control_delta_of_a_parting() -> None:
+    a = scored([1, 5], [{1: -0.5, 2: -2.0}, {5: -1.0, 6: -1.5, 7: -3.0}])
+    # Parts where a prefers 5 by 0.5: no near-tie under a tolerance of 0.1 -> infinite; under a
+    # tolerance of 1.0 it is a near-tie, measured by its gap.
+    b = scored([1, 6], [{1: -0.5, 2: -2.0}, {6: -1.0, 5: -1.25, 7: -3.0}])
+    assert compare.control_delta(a, b, 0.1) == math.inf
+    assert compare.control_delta(a, b, 1.0) == pytest.approx(0.5)
+    assert compare.unbounded_worst(a, b) == pytest.approx(0.5)
+    assert compare.unbounded_worst(a, scored([1], [{1: -0.5}])) == math.inf
+
+
+# --- check_exact -------------------------------------------------------------------------------
+
+
+def test_check_exact_accepts_the_same_bits() -> None:
+    a = greedy(model_logits(1, lead=DECISIVE))
+    assert compare.check_exact(a, greedy(model_logits(1, lead=DECISIVE)), ("P alone", "P->D")) == 12
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("ulp", r"step 3: token \d+ scores .* not bitwise equal"),
+        ("chosen", r"step 3: token \d+ scores .* not bitwise equal"),
+        ("token", r"step 3: P alone chose \d+, P->D \d+"),
+        ("candidates", r"step 3: candidates \["),
+        ("length", "P alone has 12 tokens, P->D 11"),
+    ],
+)
+def test_check_exact_names_the_first_difference(change: str, message: str) -> None:
+    a = greedy(model_logits(1, lead=DECISIVE))
+    tokens, logprobs = list(a.token_ids), list(a.logprobs)
+    top = [dict(t) for t in a.top_logprobs]
+    other = next(t for t in top[3] if t != tokens[3])
+    if change == "ulp":  # one candidate one float apart: nothing a tolerance would see
+        top[3][other] = math.nextafter(top[3][other], 0.0)
+    elif change == "chosen":
+        logprobs[3] = math.nextafter(logprobs[3], 0.0)
+    elif change == "token":
+        tokens[3] = other
+    elif change == "candidates":
+        del top[3][other]
+    else:
+        tokens, logprobs, top = tokens[:-1], logprobs[:-1], top[:-1]
+    b = compare.GreedyOutput(tokens, logprobs, top)
+    with pytest.raises(AssertionError, match=message):
+        compare.check_exact(a, b, ("P alone", "P->D"))
+
+
+# --- check_tokens_while_decisive --------------------------------------------------------------
+
+
+def test_tokens_equal_while_decisive_pass_whatever_the_logprobs() -> None:
+    """A run along another path: same tokens, logprobs 40 steps off (what no tolerance from
+    the noise would accept): the token rule passes it, over every step."""
+    logits = model_logits(1, lead=DECISIVE)
+    reference = greedy(logits)
+    drafted = greedy(nudged(logits, 40, every=7))
+    assert drafted.token_ids == reference.token_ids
+    found = compare.check_tokens_while_decisive(reference, drafted, STEP, ("target", "MTP"))
+    assert found == compare.TokenAgreement(12, 12, None, None)
+    assert found.describe(STEP) == "12 of 12 tokens compared, all equal"
+    deltas = compare.step_deltas(reference, drafted, found.compared)
+    assert len(deltas) == 12 and 30 * STEP < max(deltas) <= 40 * STEP
+
+
+def test_a_token_changed_at_a_decisive_step_fails() -> None:
+    logits = model_logits(1, lead=DECISIVE)
+    reference = greedy(logits)
+    changed = [list(row) for row in logits]
+    winner = reference.token_ids[5]
+    changed[5][winner] -= 10.0  # the runner-up wins step 5
+    control = greedy(changed)
+    assert control.token_ids[:5] == reference.token_ids[:5]
+    with pytest.raises(
+        AssertionError, match=r"step 5: target chose \d+, MTP \d+, where target wins"
+    ):
+        compare.check_tokens_while_decisive(reference, control, STEP, ("target", "MTP"))
+
+
+def test_the_comparison_stops_at_the_first_step_within_the_noise() -> None:
+    near = {5: -1.0, 6: -1.0 - STEP, 7: -3.0}  # the reference wins step 1 by one step
+    reference = scored([1, 5, 9], [{1: -0.5, 2: -2.0}, near, {9: -0.1, 3: -2.0}])
+    # The run takes the other side of the near-tie, and then goes its own way.
+    other = scored([1, 6, 3], [{1: -0.5, 2: -2.0}, {6: -1.0, 5: -1.0}, {3: -0.1, 9: -2.0}])
+    found = compare.check_tokens_while_decisive(reference, other, 2 * STEP, ("target", "MTP"))
+    assert (found.compared, found.total, found.stopped_at) == (1, 3, 1)
+    assert found.stop_margin == pytest.approx(STEP)
+    assert "stopped at step 1" in found.describe(2 * STEP)
+    # Under a tolerance below that margin, step 1 is decisive and the run fails there.
+    with pytest.raises(AssertionError, match="step 1: target chose 5, MTP 6"):
+        compare.check_tokens_while_decisive(reference, other, STEP / 2, ("target", "MTP"))
+
+
+def test_the_token_rule_refuses_a_short_run_and_a_negative_tolerance() -> None:
+    reference = greedy(model_logits(1, lead=DECISIVE))
+    short = scored(list(reference.token_ids[:4]), list(reference.top_logprobs[:4]))
+    with pytest.raises(AssertionError, match="MTP has 4 tokens; target's step 4 is decisive"):
+        compare.check_tokens_while_decisive(reference, short, STEP, ("target", "MTP"))
+    with pytest.raises(ValueError, match="must be >= 0"):
+        compare.check_tokens_while_decisive(reference, reference, -1.0, ("a", "b"))

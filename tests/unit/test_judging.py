@@ -1,0 +1,165 @@
+"""glm5_matrix.judging on hand-made greedy outputs (no vLLM): what each comparison records, and
+that each fails where it must."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from scored_data import DECISIVE, STEP, greedy, model_logits, nudged, scored
+
+from glm5_matrix import judging, results
+
+TOLERANCES = {"min_distinct_tokens": 4, "min_median_margin_steps": 12, "min_power": 2.0}
+
+
+@pytest.fixture(autouse=True)
+def fresh_figures(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(results, "_STATE", results._State())
+
+
+def _figures() -> dict[str, results.Figure]:
+    return {f.name: f for f in results.figures()}
+
+
+def _reference(runs: int = 4) -> tuple[list[list[float]], list]:
+    """A decisive model's logits and the reference done `runs` times, nudged 0, 1, 2 ... steps."""
+    logits = model_logits(1, lead=DECISIVE)
+    return logits, [greedy(nudged(logits, k)) for k in range(runs)]
+
+
+def test_repeated_records_the_distribution() -> None:
+    _, runs = _reference()
+    comparison = judging.repeated("repeat", runs, "cold", TOLERANCES)
+    floor = comparison.floor
+    assert (floor.runs, floor.pairs, comparison.min_power) == (4, 6, 2.0)
+    figures = _figures()
+    assert figures["repeat.reference_repeats"].value == 4
+    assert figures["repeat.noise_pairs"].value == 6
+    assert figures["repeat.noise_min"].value == round(floor.least, 6)
+    assert figures["repeat.noise_median"].value == round(floor.median, 6)
+    assert figures["repeat.noise_max"].value == round(floor.worst, 6)
+    assert figures["repeat.noise_max_steps"].value == pytest.approx(floor.worst / STEP, abs=0.01)
+    assert figures["repeat.tolerance"].value == round(floor.tolerance, 6)
+    assert figures["repeat.logit_step"].value == STEP
+    assert figures["repeat.median_margin_steps"].relation == ">="
+
+
+@pytest.mark.parametrize(
+    ("tolerances", "error", "message"),
+    [
+        ({"min_distinct_tokens": 4, "min_median_margin_steps": 12}, KeyError, "min_power"),
+        ({**TOLERANCES, "min_power": 1.0}, ValueError, "min_power 1.0 must be > 1"),
+        ({**TOLERANCES, "min_median_margin_steps": 500}, AssertionError, "cold #1 is flat"),
+        ({**TOLERANCES, "min_distinct_tokens": 50}, AssertionError, "cold #1 does not vary"),
+    ],
+)
+def test_repeated_refuses(tolerances: dict, error: type, message: str) -> None:
+    _, runs = _reference(3)
+    with pytest.raises(error, match=message):
+        judging.repeated("repeat", runs, "cold", tolerances)
+
+
+def test_reference_repeated_needs_three_runs() -> None:
+    # Refused before the engine is touched.
+    with pytest.raises(ValueError, match="reference_repeats = 2; at least 3"):
+        judging.reference_repeated(None, [1], 4, "repeat", {**TOLERANCES, "reference_repeats": 2})
+
+
+def test_power_is_recorded_and_a_weak_control_fails() -> None:
+    logits, runs = _reference(3)
+    comparison = judging.repeated("repeat", runs, "cold", TOLERANCES)
+    tolerance = comparison.floor.tolerance
+    steps = round(tolerance / STEP)
+    # A control whose logits moved by ~1.5 tolerances: rejected by the rule, but too weakly.
+    weak = greedy(nudged(logits, round(1.7 * steps)))
+    with pytest.raises(AssertionError, match=r"below the bar of 2x: raise the signal"):
+        comparison.rejects(runs[0], weak, ("cold", "stale block"))
+    weak_power = _figures()["repeat.stale_block.power"]
+    assert 1.0 < weak_power.value < 2.0 and weak_power.limit == 2.0
+    # Four tolerances away: power about 4, passes.
+    strong = greedy(nudged(logits, 4 * steps + 2))
+    power = comparison.power(runs[0], strong, ("cold", "strong"))
+    assert 3.0 < power < 5.0
+    strong_figures = _figures()
+    assert strong_figures["repeat.strong.control_delta"].unit == "nats"
+    assert (
+        strong_figures["repeat.strong.control_worst_delta"].value
+        == strong_figures["repeat.strong.control_delta"].value
+    )
+
+
+def test_a_control_that_parts_at_no_near_tie_has_infinite_power() -> None:
+    _, runs = _reference(3)
+    comparison = judging.repeated("repeat", runs, "cold", TOLERANCES)
+    other = greedy(model_logits(2, lead=DECISIVE))  # another model: its own tokens from step 0
+    reason = comparison.rejects(runs[0], other, ("cold", "other model"))
+    assert reason.startswith("step 0")
+    figures = _figures()
+    assert figures["repeat.other_model.power"].value == "inf"
+    assert figures["repeat.other_model.control_delta"].value == "inf"
+    assert figures["repeat.other_model.control_worst_delta"].value == "inf"  # unscored token
+    assert comparison.power(runs[0], other, ("cold", "other model")) == math.inf
+
+
+def test_a_control_within_the_tolerance_fails_before_its_power() -> None:
+    _, runs = _reference(3)
+    comparison = judging.repeated("repeat", runs, "cold", TOLERANCES)
+    with pytest.raises(AssertionError, match="negative control 'same' passes"):
+        comparison.rejects(runs[0], runs[1], ("cold", "same"))
+
+
+def test_tokens_agree_records_where_it_compared_up_to() -> None:
+    logits, runs = _reference(3)
+    comparison = judging.repeated("mtp", runs, "target-only", TOLERANCES)
+    drafted = greedy(nudged(logits, 30, every=7))  # far beyond the noise, the same tokens
+    found = comparison.tokens_agree(runs[0], drafted, ("target-only", "MTP"))
+    assert (found.compared, found.stopped_at) == (12, None)
+    figures = _figures()
+    assert figures["mtp.mtp.tokens_compared"].value == 12
+    assert "mtp.mtp.stopped_at" not in figures
+    assert figures["mtp.mtp.step_delta_max"].value > 20 * STEP
+    assert figures["mtp.mtp.step_delta_median"].value <= figures["mtp.mtp.step_delta_max"].value
+    assert len(figures["mtp.mtp.step_deltas"].value) == 12
+    assert figures["mtp.mtp.step_delta_max"].relation is None  # recorded, never judged
+
+
+def test_tokens_agree_stops_at_the_noise_and_says_why() -> None:
+    near = {5: -1.0, 6: -1.0 - STEP, 7: -3.0}
+    reference = scored([1, 5, 9, 4], [{1: -0.5, 2: -2.0}, near, {9: -0.1}, {4: -0.1}])
+    comparison = judging.Comparison("mtp", judging.compare.noise_floor(reference, reference))
+    other = scored([1, 6, 3, 3], [{1: -0.5, 2: -2.0}, {6: -1.0, 5: -1.0}, {3: -0.1}, {3: -0.1}])
+    found = comparison.tokens_agree(reference, other, ("target-only", "MTP"))
+    assert (found.compared, found.stopped_at) == (1, 1)
+    figures = _figures()
+    assert figures["mtp.mtp.stopped_at"].value == 1
+    assert (
+        "margin 0.031250 at step 1 is within the tolerance" in figures["mtp.mtp.stop_reason"].value
+    )
+
+
+def test_tokens_agree_fails_on_a_changed_token_and_records_it() -> None:
+    logits, runs = _reference(3)
+    comparison = judging.repeated("dflash", runs, "target-only", TOLERANCES)
+    changed = [list(row) for row in logits]
+    changed[4][runs[0].token_ids[4]] -= 10.0
+    with pytest.raises(AssertionError, match="step 4: target-only chose"):
+        comparison.tokens_agree(runs[0], greedy(changed), ("target-only", "DFlash2"))
+    assert "step 4" in _figures()["dflash.dflash2.token_mismatch"].value
+
+
+def test_rejects_by_token() -> None:
+    logits, runs = _reference(3)
+    comparison = judging.repeated("mtp", runs, "target-only", TOLERANCES)
+    # What runner_up_control asks vLLM for: the reference's choice at its first decisive step
+    # banned (logit_bias -100), the rest of the request as it was.
+    step = judging.compare.decisive_step(runs[0], comparison.floor.tolerance)
+    assert step == 0
+    banned = runs[0].token_ids[step]
+    control = greedy([[v - 100.0 if t == banned else v for t, v in enumerate(r)] for r in logits])
+    reason = comparison.rejects_by_token(runs[0], control, ("target-only", "runner-up accepted"))
+    assert reason.startswith("step 0: target-only chose")
+    assert _figures()["mtp.runner_up_accepted.power"].value == "inf"
+    # A control that changed nothing passes the token rule: the comparison proves nothing.
+    with pytest.raises(AssertionError, match="passes the token rule"):
+        comparison.rejects_by_token(runs[0], runs[2], ("target-only", "unchanged"))
