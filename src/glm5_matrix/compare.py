@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 
@@ -268,13 +268,6 @@ class NoiseFloor:
     runs: int  # N
     least_matched: int  # the fewest equal leading tokens of any pair
     total: int  # tokens per run
-    # PD suite only (tests/suites/test_pd.py, the lead's, via judging.measured and
-    # Comparison.across_path): a measured per-profile count of logit steps for a run computed
-    # along another path, and a factor on the floor. The other suites no longer use them (point
-    # 5 of the rule above); they go when the PD suite moves to check_exact /
-    # check_tokens_while_decisive.
-    path_steps: int = 0
-    factor: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.pair_worsts:
@@ -306,32 +299,17 @@ class NoiseFloor:
 
     @property
     def tolerance(self) -> float:
-        return self.factor * self.worst + self.spread + (1 + self.path_steps) * self.step
+        return self.worst + self.spread + self.step
 
     def in_steps(self, value: float) -> float:
         return value / self.step if self.step else 0.0
 
-    def across_path(self, steps: int) -> NoiseFloor:
-        """PD suite only: the floor for a run computed along another path, allowed `steps` more
-        logit steps."""
-        if steps < 0:
-            raise ValueError(f"path steps must be >= 0, not {steps}")
-        return replace(self, path_steps=steps)
-
-    def with_factor(self, factor: float) -> NoiseFloor:
-        """PD suite only: the floor whose tolerance takes its worst difference `factor` times."""
-        if not factor >= 1.0:
-            raise ValueError(f"a floor factor must be >= 1, not {factor}")
-        return replace(self, factor=factor)
-
     def describe(self) -> str:
-        path = f" + {self.path_steps} path step(s)" if self.path_steps else ""
-        times = f"{self.factor:g} x " if self.factor != 1.0 else ""
         return (
             f"{self.runs} runs, {self.pairs} pair(s): worst |delta| per pair min "
             f"{self.least:.4f} / median {self.median:.4f} / max {self.worst:.4f} (max "
             f"{self.in_steps(self.worst):.1f} logit steps of {self.step:.4g}); tolerance "
-            f"{times}max + spread {self.spread:.4f} + one step{path} = {self.tolerance:.4f} "
+            f"max + spread {self.spread:.4f} + one step = {self.tolerance:.4f} "
             f"({self.in_steps(self.tolerance):.1f} steps; every pair equal in at least "
             f"{self.least_matched} of {self.total} tokens)"
         )

@@ -41,9 +41,8 @@ class Comparison:
 
     name: str
     floor: NoiseFloor
-    # The bar every control's power must reach: the profile's min_power through repeated(). The
-    # default, 1, only asks for a rejection (the PD suite builds Comparisons itself until it
-    # calls repeated(); its verdicts are its own to change).
+    # The bar every control's power must reach: the profile's min_power through repeated(); the
+    # default, 1, only asks for a rejection (hand-built Comparisons of the unit tests).
     min_power: float = 1.0
 
     def agrees(self, reference: Scored, run: Scored, names: tuple[str, str]) -> Agreement:
@@ -171,35 +170,6 @@ class Comparison:
         self.power(reference, control, names)
         return reason
 
-    # --- PD suite only (tests/suites/test_pd.py, the lead's): a measured per-profile number of
-    # path steps. The other suites judge runs along another path by tokens_agree; these go when
-    # the PD suite moves to compare.check_exact / check_tokens_while_decisive.
-
-    def across_path(self, steps: int, why: str) -> Comparison:
-        """PD suite only: this comparison for a run computed along another path (`why`), allowed
-        `steps` logit steps beyond the floor's tolerance."""
-        floor = self.floor.across_path(steps)
-        print(f"{self.name}: {steps} path step(s) allowed ({why}): {floor.describe()}")
-        record_figure(f"{self.name}.path_steps", steps, unit="logit steps")
-        record_figure(f"{self.name}.path_tolerance", round(floor.tolerance, 6), unit="nats")
-        return Comparison(self.name, floor, self.min_power)
-
-    def path_measured(self, reference: Scored, run: Scored, names: tuple[str, str]) -> float:
-        """PD suite only: how far `run` is from `reference`, in logit steps, by the same rule with
-        no bound (inf where they part outright)."""
-        try:
-            worst = compare.noise_floor(reference, run, names).worst
-        except AssertionError:  # they part outright: no path noise; agrees() says where
-            worst = float("inf")
-        steps = worst / self.floor.step if self.floor.step else 0.0
-        print(
-            f"{self.name}: {names[0]} vs {names[1]} measured: worst |delta| {worst:.4f} = "
-            f"{steps:.1f} logit steps"
-        )
-        record_figure(f"{self.name}.path_worst_delta", round(worst, 6), unit="nats")
-        record_figure(f"{self.name}.path_worst_steps", round(steps, 2), unit="logit steps")
-        return steps
-
 
 def _record_floor(name: str, floor: NoiseFloor) -> None:
     print(f"{name}: {floor.describe()}")
@@ -250,24 +220,6 @@ def repeated(name: str, runs: list[Any], names_prefix: str, tolerances: dict) ->
     minimum = float(tolerances["min_median_margin_steps"])
     _check_decisive(name, runs[0], names[0], floor.step, minimum)
     return Comparison(name, floor, min_power)
-
-
-def measured(
-    name: str,
-    first: Scored,
-    second: Scored,
-    names: tuple[str, str],
-    min_median_margin_steps: float | None = None,
-    floor_factor: float = 1.0,
-) -> Comparison:
-    """PD suite only (until it calls repeated()): the reference run done twice, its floor taken
-    `floor_factor` times. Its controls' power is recorded against a bar of 1 (a rejection), not
-    the profile's min_power: the PD suite's verdicts are its own to change."""
-    floor = compare.noise_floor(first, second, names).with_factor(floor_factor)
-    _record_floor(name, floor)
-    if min_median_margin_steps is not None:
-        _check_decisive(name, first, names[0], floor.step, min_median_margin_steps)
-    return Comparison(name, floor, min_power=1.0)
 
 
 def _slug(text: str) -> str:
