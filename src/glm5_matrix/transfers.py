@@ -54,7 +54,7 @@ def paired_blocks(
     pairs = []
     for group, (ours, theirs) in enumerate(zip(sent, received, strict=True)):
         first = covered_blocks - len(ours)
-        if first < 0 or covered_blocks > len(theirs):
+        if ours and (first < 0 or covered_blocks > len(theirs)):
             raise ValueError(
                 f"group {group}: {len(ours)} block(s) sent and {len(theirs)} received do not fit "
                 f"{covered_blocks} covered block(s)"
@@ -104,6 +104,15 @@ def table_pages(
     return keys, reads
 
 
+def keyed_reads(
+    keys: Sequence[PageKey], digests: Sequence[Sequence[str]]
+) -> dict[PageKey, tuple[str, ...]]:
+    """Digests read for table_pages()'s reads, keyed by its keys."""
+    if len(keys) != len(digests):
+        raise ValueError(f"{len(keys)} pages read but {len(digests)} digests")
+    return {key: tuple(d) for key, d in zip(keys, digests, strict=True)}
+
+
 def keyed(
     pairs: Sequence[BlockPair],
     group_layers: Sequence[Sequence[str]],
@@ -111,9 +120,7 @@ def keyed(
 ) -> dict[PageKey, tuple[str, ...]]:
     """Digests read for page_reads(pairs, ...) (in that order), keyed by page."""
     keys = [(p.group, p.position, layer) for p in pairs for layer in group_layers[p.group]]
-    if len(keys) != len(digests):
-        raise ValueError(f"{len(keys)} pages read but {len(digests)} digests")
-    return {key: tuple(d) for key, d in zip(keys, digests, strict=True)}
+    return keyed_reads(keys, digests)
 
 
 @dataclass(frozen=True)

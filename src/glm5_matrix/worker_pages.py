@@ -70,11 +70,14 @@ def worker_page_digests(worker: Any, layer_blocks: list[tuple[str, int]]) -> lis
     ]
 
 
-def worker_group_layers(worker: Any) -> list[list[str]]:
-    """The layer names of each KV cache group, in the scheduler's group order."""
+def worker_group_layers(worker: Any) -> list[dict[str, Any]]:
+    """Per KV cache group, in the scheduler's group order: its layer names and block size."""
     target = getattr(worker, "worker", worker)
     groups = target.model_runner.kv_cache_config.kv_cache_groups
-    return [list(group.layer_names) for group in groups]
+    return [
+        {"layers": list(group.layer_names), "block_size": int(group.kv_cache_spec.block_size)}
+        for group in groups
+    ]
 
 
 class PageReader:
@@ -82,7 +85,7 @@ class PageReader:
     block-table recorder of glm5_matrix.engines, by name for the dev-mode `/collective_rpc`
     endpoint, which passes string arguments only (JSON here) and returns JSON values."""
 
-    def glm5_group_layers(self) -> list[list[str]]:
+    def glm5_group_layers(self) -> list[dict[str, Any]]:
         return worker_group_layers(self)
 
     def glm5_page_digests(self, layer_blocks: str) -> list[list[str]]:

@@ -10,10 +10,11 @@ CPU platform)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
-from glm5_matrix import judging
+from glm5_matrix import judging, transfers
 from glm5_matrix.context import CellContext
 from glm5_matrix.engine_configs import offload_cpu_bytes, offload_spec
 from glm5_matrix.engines import Engine, groups_of, resolve_class, with_other_tokens
@@ -50,6 +51,25 @@ def _reset_when_stored(engine: Engine, bound_s: float, reset_connector: bool = F
         pytest.fail(str(exc))
 
 
+def _tables(engine: Engine, requests: int) -> list[list[list[int]]]:
+    """The final block tables of the `requests` requests the engine ran since the recorder was
+    last read (which it clears)."""
+    recorded = engine.recorded_block_tables(clear=True)
+    assert len(recorded) == requests, f"{len(recorded)} requests recorded, not {requests}"
+    return [history[-1] for history in recorded.values()]
+
+
+def _pages(
+    engine: Engine, layout: dict[str, Any], table: list[list[int]], whole_blocks: int
+) -> dict[transfers.PageKey, tuple[str, ...]]:
+    """Digests of a request's first `whole_blocks` blocks in every prefix-cacheable group (what
+    the offload connectors store), per layer and state."""
+    groups = [i for i, g in enumerate(layout["groups"]) if g["prefix_cacheable"]]
+    layers = [g["layer_names"] for g in layout["groups"]]
+    keys, reads = transfers.table_pages(table, whole_blocks, groups, layers)
+    return transfers.keyed_reads(keys, engine.page_digests(reads))
+
+
 def test_offload_round_trip(engine: Engine, profile: Profile, plan: LayoutPlan) -> None:
     prompts, tolerances = profile.section("prompts"), profile.section("tolerances")
     layout = engine.kv_layout()
@@ -84,16 +104,29 @@ def test_offload_round_trip(engine: Engine, profile: Profile, plan: LayoutPlan) 
     )
     # The same prompt again from the GPU prefix cache, as many times: what a faithful CPU round
     # trip must give, and the noise of that path.
+    engine.record_block_tables()
+    engine.recorded_block_tables(clear=True)
     repeats = [
         engine.generate_scored(prompt, max_tokens, TOP_LOGPROBS)
         for _ in range(int(tolerances["reference_repeats"]))
     ]
     assert all(r.cached_tokens for r in repeats), "the GPU repeats reused nothing"
+    # The GPU pages of the cached blocks (the last cold run's, which the CPU store copied):
+    # what a restore must bring back byte for byte.
+    cached_blocks = int(repeats[0].cached_tokens or 0) // block
+    repeat_tables = _tables(engine, len(repeats))
+    stored = _pages(engine, layout, repeat_tables[0], cached_blocks)
+    for table in repeat_tables[1:]:  # every repeat hit the same blocks
+        assert _pages(engine, layout, table, cached_blocks) == stored, (
+            "the repeats hit other blocks"
+        )
     repeat_floor = judging.repeated("offload_repeat", repeats, "GPU repeat", tolerances)
     waited = _reset_when_stored(engine, store_wait)
+    engine.recorded_block_tables(clear=True)  # what the reset's polling requests left
     # The GPU prefix cache was just reset, so every cached token of the warm run came back
     # from the CPU side.
     warm = engine.generate_scored(prompt, max_tokens, TOP_LOGPROBS)
+    (warm_table,) = _tables(engine, 1)
     hits = int(warm.cached_tokens or 0)
     print(f"stores done after {waited:.1f} s; warm run: {hits} prompt tokens from the CPU side")
     record_figure("offload.cpu_hit_tokens", hits, unit="tokens")
@@ -102,6 +135,14 @@ def test_offload_round_trip(engine: Engine, profile: Profile, plan: LayoutPlan) 
     # Only whole blocks of prefix-cacheable groups come back (never the tail ring's slots).
     assert hits % block == 0 and hits <= length, f"{hits} hit tokens at block {block}"
     assert warm.cached_tokens == repeats[0].cached_tokens, (warm.cached_tokens, repeats)
+    # A restore is a copy: every restored page (each prefix-cacheable group, each state) has the
+    # bytes the GPU held before; two restored blocks exchanged must fail.
+    restored = _pages(engine, layout, warm_table, cached_blocks)
+    copied = transfers.check_copied(stored, restored, ("GPU pages stored", "restored from CPU"))
+    print(f"restore from CPU: {copied.describe()}")
+    record_figure("offload.pages_equal", copied.pages, limit=0, relation=">", unit="pages")
+    with pytest.raises(AssertionError, match="differ"):
+        transfers.check_copied(stored, transfers.swapped(restored))
     # The restored blocks are the GPU's bytes: the warm run resumes from the same state as the
     # GPU prefix-cache repeat, and agrees with the cold run as that repeat does.
     repeat_floor.agrees(repeats[0], warm, ("GPU repeat", "warm from CPU"))

@@ -147,3 +147,9 @@ def test_table_pages_of_two_moments_compare() -> None:
     received[(1, 1, "gdn.0")] = ("z", "stale")
     with pytest.raises(AssertionError, match=r"state\(s\) \[1\]"):
         transfers.check_copied(sent, received)
+
+
+def test_a_group_sent_nothing_pairs_nothing() -> None:
+    # A group left out by the caller (another block size) pairs nothing, whatever its table.
+    pairs = transfers.paired_blocks([[5, 6], []], [[20, 21, 22], [1]], 2, 2)
+    assert [(p.group, p.position) for p in pairs] == [(0, 0), (0, 1)]
