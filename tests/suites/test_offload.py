@@ -143,10 +143,12 @@ def test_offload_round_trip(engine: Engine, profile: Profile, plan: LayoutPlan) 
     record_figure("offload.pages_equal", copied.pages, limit=0, relation=">", unit="pages")
     with pytest.raises(AssertionError, match="differ"):
         transfers.check_copied(stored, transfers.swapped(restored))
-    # The restored blocks are the GPU's bytes: the warm run resumes from the same state as the
-    # GPU prefix-cache repeat, and agrees with the cold run as that repeat does.
+    # The restored blocks are the GPU's bytes: the warm run resumes from the same state along
+    # the same path as the GPU prefix-cache repeat (judged by the repeats' noise), and keeps the
+    # cold run's tokens where the cold run is decisive (from a cached boundary the prefill has
+    # other step shapes than cold: another path, as test_e2e's repeat).
     repeat_floor.agrees(repeats[0], warm, ("GPU repeat", "warm from CPU"))
-    cold_floor.agrees(cold, warm, ("cold", "warm from CPU"))
+    cold_floor.tokens_agree(cold, warm, ("cold", "warm from CPU"))
     # What a restore of wrong or stale bytes amounts to: the prompt whose restored block holds
     # other tokens. Both comparisons must reject it.
     changed = round(float(tolerances["control_changed_blocks"]) * block)
@@ -155,4 +157,4 @@ def test_offload_round_trip(engine: Engine, profile: Profile, plan: LayoutPlan) 
     )
     stale = engine.generate_scored(stale_prompt, max_tokens, TOP_LOGPROBS)
     repeat_floor.rejects(repeats[0], stale, ("GPU repeat", "stale block"))
-    cold_floor.rejects(cold, stale, ("cold", "stale block"))
+    cold_floor.rejects_by_token(cold, stale, ("cold", "stale block"))
