@@ -377,7 +377,8 @@ def register(file: Path, pid: int | None = None) -> None:
         out.write(f"{pid}:{processes.start_time(pid)}\n")
 
 
-def _same_process_alive(entry: str) -> bool:
+def same_process_alive(entry: str) -> bool:
+    """Whether PID:START_TIME names a live process (the same one: pids are reused)."""
     pid, _, started = entry.partition(":")
     return _alive(int(pid)) and str(processes.start_time(int(pid))) == started
 
@@ -391,7 +392,7 @@ def watch(domain: Domain, pids: Sequence[str], register_file: Path | None) -> in
         if register_file is not None:
             with contextlib.suppress(OSError):
                 watched += register_file.read_text().split()
-        if not any(_same_process_alive(entry) for entry in watched):
+        if not any(same_process_alive(entry) for entry in watched):
             domain.kill()
             break
         time.sleep(WATCH_POLL_S)

@@ -21,8 +21,13 @@ interpreter (nothing but the standard library, and NVML where the cell has it). 
 - on a GPU cell, says in one line which process already holds memory on the cell's GPUs before
   COMMAND starts (and does not start it), and after the sweep checks that no process of the cell
   still holds any (glm5_matrix.gpu_memory);
+- starts COMMAND inside the cell's kill domain (glm5_matrix.kill_domain, `--domain`: a cgroup
+  of the run's own where the machine allows one), so that after the sweep whatever is still in it
+  is frozen and killed at once; the runner kills the domain too once the supervisor's command
+  line returns, so SIGKILL of the supervisor itself still takes the whole cell;
 - records how the run ended (glm5_matrix.results.record_ending): afterwards results.json says
-  whether the run completed, and junit.xml is there, marked when the run ended early.
+  whether the run completed, and junit.xml is there, marked when the run ended early, and which
+  kill domain mechanism held the cell (`kill_domain`).
 
 Its exit status is COMMAND's; 128 + the signal that stopped the cell or killed COMMAND; or 1 when
 COMMAND succeeded but processes had to be stopped after it, or a GPU stayed held.
@@ -30,7 +35,10 @@ COMMAND succeeded but processes had to be stopped after it, or a GPU stayed held
 In the runner's process (nox's), stop_on_signals() makes SIGTERM and SIGHUP, which would end nox
 at once and leave the cell to itself, do what Ctrl-C does: the signal goes on to nox's children
 (the supervisor), and nox waits NOX_TIMEOUTS for them to end before it reports the session
-interrupted. Servers are started through die_with_parent(), so a server goes (SIGTERM, a clean
+interrupted. guard_nox_process(), called as the noxfile loads, does the same for the main nox of
+`nox -j` (whose workers lead sessions of their own): a signal goes on to every worker and the
+main nox exits only when none of its descendants is left; a worker stops its cell when the main
+nox dies. Servers are started through die_with_parent(), so a server goes (SIGTERM, a clean
 shutdown of its engine) when the test process that started it goes.
 
 Nothing here selects a process by name: by process id, by process group, or as a descendant.
@@ -136,6 +144,8 @@ def supervised(
         line += ["--domain", domain.argument()]
     if register is not None:
         line += ["--register", str(register)]
+    if PARALLEL_WORKER_FLAG in sys.argv:  # a worker of `nox -j`: its parent is the main nox
+        line += ["--main-nox", f"{os.getppid()}:{processes.start_time(os.getppid())}"]
     return [*line, "--", *command]
 
 
@@ -177,7 +187,7 @@ def guard_nox_process(argv: Sequence[str]) -> str:
     dies, even by SIGKILL, and stops its cell as for a SIGTERM. Any other nox (the main one of
     `nox -j`, or one that runs its sessions itself) becomes a child subreaper, so what its
     workers started comes back to it if a worker dies, and takes SIGINT, SIGTERM and SIGHUP as
-    "stop every cell": the signal goes on to its children (the workers, or the supervisor), it
+    "stop every cell": SIGTERM goes on to its children (the workers, or the supervisor), it
     waits until none of its descendants is left (killing what is left after WAIT_ALL_S), and
     only then does nox take it as Ctrl-C (exit status 130). Returns "worker" or "main"."""
     if PARALLEL_WORKER_FLAG in argv:
@@ -199,7 +209,7 @@ def guard_nox_process(argv: Sequence[str]) -> str:
             _say(f"{name}: stopping every cell, then exiting")
         for child in started:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(child, signal.SIGTERM if signum == signal.SIGHUP else signum)
+                os.kill(child, signal.SIGTERM)  # as nox -j does: a worker's stop signal
         wait_for_descendants(WAIT_ALL_S, keep=started)
         raise KeyboardInterrupt(name)
 
@@ -255,11 +265,16 @@ class Supervisor:
         linger: float = LINGER_S,
         domain: kill_domain.Domain | None = None,
         register: Path | None = None,
+        main_nox: str | None = None,
     ) -> None:
         self.command = list(command)
         self.domain = domain or kill_domain.Domain(kill_domain.SUBREAPER)
         self.register = register
         self.domain_killed: list[int] = []  # members still there after the sweep
+        # PID:START_TIME of the main nox of `nox -j`: when it is gone (killed outright), nobody
+        # waits for the cell any more and it is killed at once, without a teardown.
+        self.main_nox = main_nox
+        self.main_nox_died = False
         self.parent = parent
         self.results_dir = results_dir
         self.gpus = gpus
@@ -351,7 +366,21 @@ class Supervisor:
             if now - last_look >= 1.0:
                 self.seen.update(processes.live_descendants())
                 last_look = now
+                if self.main_nox and not kill_domain.same_process_alive(self.main_nox):
+                    self.main_nox_died = True
+                    self.stop_signal = self.stop_signal or signal.SIGTERM
+                    self._kill_now()
+                    return
             time.sleep(POLL_S)
+
+    def _kill_now(self) -> None:
+        """Everything of the cell, SIGKILLed at once: the domain, then any descendant left."""
+        if self.domain.is_cgroup:
+            self.domain.kill()
+        for pid in processes.live_descendants():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self._reap()
 
     def _reap(self) -> None:
         """Collect every child that ended (COMMAND and the orphans re-parented to us)."""
@@ -470,6 +499,13 @@ class Supervisor:
         from glm5_matrix import results
 
         pid = self.child.pid if self.child is not None else None
+        if self.main_nox_died:
+            main = self.main_nox.partition(":")[0] if self.main_nox else "?"
+            return (
+                "process-died",
+                None,
+                f"the main nox (pid {main}) of `nox -j` died; the cell was killed at once",
+            )
         if self.runner_died:
             return (
                 "process-died",
@@ -534,6 +570,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--linger", type=float, default=LINGER_S)
     parser.add_argument("--domain", help="the cell's kill domain (MECHANISM[:CGROUP])")
     parser.add_argument("--register", type=Path, help="the kill domain watchdog's file")
+    parser.add_argument("--main-nox", help="PID:START_TIME of the main nox of `nox -j`")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -553,6 +590,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         linger=args.linger,
         domain=domain,
         register=args.register,
+        main_nox=args.main_nox,
     ).run()
 
 

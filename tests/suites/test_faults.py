@@ -433,9 +433,7 @@ FAULTS = [
     Fault(PD, "sigkill-supervisor", for_5s(engines_starting), _kill_supervisor, DIED),
     # Two cells under `nox -j 2`: each worker nox leads a session of its own.
     Fault(E2E, "j2-sigterm", both_cells_running, _signal_nox(SIGTERM), ("signal", "SIGTERM"), J2),
-    Fault(
-        E2E, "j2-sigkill", both_cells_running, _signal_nox(SIGKILL), ("signal", "SIGTERM"), J2, True
-    ),
+    Fault(E2E, "j2-sigkill", both_cells_running, _signal_nox(SIGKILL), DIED, J2, True),
 ]
 
 
