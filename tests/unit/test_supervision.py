@@ -396,14 +396,16 @@ def test_gpu_cell_starts_when_its_gpu_is_free(tmp_path: Path) -> None:
 # --- the nox processes (glm5_matrix.supervision.guard_nox_process) ---------------------------
 
 # The main nox of `nox -j 2`, in small: two workers in sessions of their own, each with a child
-# in a session of its own too; a worker takes 1 s to stop on SIGTERM, its child one more.
+# in a session of its own too; a worker takes 1 s to stop on SIGTERM, its child one more. None
+# holds the main process's stdout or stderr: the test's wait for it does not wait for them.
 _WORKER = textwrap.dedent(
     """
     import signal, subprocess, sys, time
     child = subprocess.Popen([sys.executable, "-c",
         "import signal, sys, time\\n"
         "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1), sys.exit(0)))\\n"
-        "time.sleep(600)"], start_new_session=True)
+        "time.sleep(600)"], start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     def stop(signum, frame):
         time.sleep(1)
         child.terminate()  # and does not wait for it
@@ -419,7 +421,8 @@ _MAIN_NOX = textwrap.dedent(
     from glm5_matrix import supervision
     supervision.guard_nox_process(["nox", "-j", "2"])
     workers = [subprocess.Popen([sys.executable, "-c", sys.argv[1]], start_new_session=True,
-                                stdout=subprocess.PIPE, text=True) for _ in range(2)]
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+               for _ in range(2)]
     pids = [str(w.pid) for w in workers] + [w.stdout.readline().strip() for w in workers]
     try:
         print(" ".join(pids), flush=True)
