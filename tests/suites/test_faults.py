@@ -12,6 +12,9 @@ test the run did not make.
 | SIGKILL of the test process (OOM killer) | engine starting | engine cores starting |
 | a server killed (SIGKILL) while it starts | - (no server) | its engine core started |
 | vLLM's engine core killed mid-generate | greedy test generating | servers just healthy |
+| SIGKILL of the supervisor | engine core there 5 s | engine cores there 5 s |
+| SIGTERM to the main nox of `nox -j 2` | beside `unit`, engine starting | - |
+| SIGKILL of the main nox of `nox -j 2` (judged 10 s after) | beside `unit`, engine starting | - |
 
 Each fault is injected as soon as what it needs is there, read from the run's own output: a
 probe plugin (`-p glm5_faults_probe`, written below) records the test process's pid and when
