@@ -28,7 +28,7 @@ import nox
 
 sys.path.insert(0, str(Path(__file__).parent / "src"))
 
-from glm5_matrix import environments, hardware, runner, tools, warm
+from glm5_matrix import environments, hardware, runner, supervision, tools, warm
 from glm5_matrix.errors import UserError
 from glm5_matrix.matrix import Cell, Matrix
 
@@ -38,6 +38,9 @@ nox.options.default_venv_backend = "none"
 if not {"-l", "--list", "--list-sessions", "--json"} & set(sys.argv):
     nox.options.sessions = ["plan"]
 nox.options.error_on_missing_interpreters = True
+# A signal to nox stops every cell and nox exits only once they are gone; a worker of `nox -j`
+# stops its cell when the main nox dies (glm5_matrix.supervision.guard_nox_process).
+supervision.guard_nox_process(sys.argv)
 
 try:
     MATRIX: Matrix = runner.load()

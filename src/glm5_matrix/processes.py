@@ -82,6 +82,13 @@ def live_children(pid: int | None = None) -> list[int]:
     return sorted(c for c in children.get(root, []) if states.get(c) != "Z")
 
 
+def zombie_children(pid: int | None = None) -> list[int]:
+    """Children of `pid` (default: this process) that ended and wait to be reaped."""
+    root = os.getpid() if pid is None else pid
+    children, states = _process_table()
+    return sorted(c for c in children.get(root, []) if states.get(c) == "Z")
+
+
 def start_time(pid: int) -> int | None:
     """When `pid` started (clock ticks after boot, /proc/PID/stat field 22), or None when it is
     gone: a pid and its start time name one process even after the pid is reused."""

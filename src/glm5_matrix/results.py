@@ -265,12 +265,14 @@ def record_ending(
     wall_seconds: float,
     left_behind: Sequence[str] = (),
     junit: Path | None = None,
+    kill_domain: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """What the cell's supervisor knows once the test command is over, added to the run's own
     results.json (or to a new one when the command wrote none): `ended` where the command could
     not say how it ended (None keeps its own), the cell's exit status, the processes that had to
-    be stopped after it. When the run did not complete, junit.xml is kept and marked
-    incomplete, or written from these results when pytest wrote none. Returns the record."""
+    be stopped after it, and the kill domain that held the cell's processes (`kill_domain`:
+    its mechanism, cgroup, who stopped it, how many it killed). When the run did not complete,
+    junit.xml is kept and marked incomplete, or written from these results when pytest wrote none. Returns the record."""
     data = load(results_dir)
     if data is None:
         data = {
@@ -290,6 +292,8 @@ def record_ending(
     data["exit_status"] = exit_status
     if left_behind:
         data["left_behind"] = list(left_behind)
+    if kill_domain is not None:
+        data["kill_domain"] = dict(kill_domain)
     if not data["complete"]:
         _mark_interrupted(data["tests"])
         data["outcomes"] = count_outcomes(data["tests"])

@@ -12,9 +12,11 @@ gone; its processes see only those GPUs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ from glm5_matrix import (
     hardware,
     kernel_archive,
     kernel_cache,
+    kill_domain,
     leases,
     results,
     supervision,
@@ -271,8 +274,13 @@ def _run_leased(
             if executable is None:
                 session.error(f"{program} is not installed in the {variant.env} environment")
             assert executable is not None  # session.error raised
-            command = supervision.supervised([executable, *arguments], built.python)
-            with recorded.command([program, *arguments]):
+            with recorded.command([program, *arguments]), cell_domain(session, variant) as held:
+                command = supervision.supervised(
+                    [executable, *arguments],
+                    built.python,
+                    domain=held.domain,
+                    register=held.register,
+                )
                 session.run(*command, env=run_env, external=True, **supervision.NOX_TIMEOUTS)
         recorded.write()
         session.log(f"{variant.id}: {results.summarize(out)}")
@@ -292,9 +300,79 @@ def _run_leased(
         *options.pytest_args,
     ]
     session.log(f"cell context: {context_file}")
-    command = supervision.supervised(pytest, built.python, results_dir=out, gpus=cell.gpus)
     try:
-        session.run(*command, env=run_env, external=True, **supervision.NOX_TIMEOUTS)
+        with cell_domain(session, variant, out) as held:
+            command = supervision.supervised(
+                pytest,
+                built.python,
+                results_dir=out,
+                gpus=cell.gpus,
+                domain=held.domain,
+                register=held.register,
+            )
+            session.run(*command, env=run_env, external=True, **supervision.NOX_TIMEOUTS)
     finally:
         session.log(f"{variant.id}: {results.summarize(out)}")
     return kernels
+
+
+@contextlib.contextmanager
+def cell_domain(
+    session: Any, variant: Variant, out: Path | None = None
+) -> Iterator[kill_domain.Held]:
+    """The kill domain of one supervised command (glm5_matrix.kill_domain). When the command
+    line returns, however it ended, whatever is left in the domain is killed; when that is
+    because the supervisor itself died (no record of how the run ended), the record says so."""
+    started = time.monotonic()
+    try:
+        domain = kill_domain.create(variant.slug, os.environ, say=session.warn)
+    except UserError as exc:
+        session.error(str(exc))
+    session.log(f"kill domain: {domain.describe()}")
+    held = kill_domain.Held(domain, None)
+    try:
+        with kill_domain.held(domain) as held:
+            yield held
+    finally:
+        if held.killed:
+            session.warn(
+                f"kill domain: killed {len(held.killed)} process(es) left when the supervisor ended"
+            )
+        if out is not None:
+            record_domain(out, held, time.monotonic() - started)
+
+
+def record_domain(out: Path, state: kill_domain.Held, seconds: float) -> None:
+    """results.json after the runner stopped the domain: where the supervisor recorded how the
+    run ended, what the runner killed after it; where it did not (it was killed, or died), an
+    ending that says so."""
+    data = results.load(out)
+    recorded = data is not None and data.get("exit_status") is not None
+    stopped = {
+        **state.domain.record(),
+        "stopped_by": "supervisor" if recorded else "runner",
+        "killed": len(state.killed),
+    }
+    if recorded:
+        assert data is not None
+        if not state.killed:
+            return
+        stopped["killed_by_runner"] = len(state.killed)
+        stopped["killed"] = (data.get("kill_domain") or {}).get("killed", 0)
+        data["kill_domain"] = stopped
+        results.write_json_atomic(out / results.RESULTS_FILE, data)
+        return
+    detail = (
+        "the supervisor ended without recording how the run ended (it was killed or died); "
+        f"the cell's kill domain ({state.domain.mechanism}) killed {len(state.killed)} "
+        "process(es) left"
+    )
+    results.record_ending(
+        out,
+        results.ending("process-died", detail),
+        1,
+        seconds,
+        [f"pid {pid} killed with the cell's kill domain" for pid in state.killed],
+        junit=out / results.JUNIT_FILE,
+        kill_domain=stopped,
+    )

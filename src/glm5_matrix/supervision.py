@@ -21,8 +21,13 @@ interpreter (nothing but the standard library, and NVML where the cell has it). 
 - on a GPU cell, says in one line which process already holds memory on the cell's GPUs before
   COMMAND starts (and does not start it), and after the sweep checks that no process of the cell
   still holds any (glm5_matrix.gpu_memory);
+- starts COMMAND inside the cell's kill domain (glm5_matrix.kill_domain, `--domain`: a cgroup
+  of the run's own where the machine allows one), so that after the sweep whatever is still in it
+  is frozen and killed at once; the runner kills the domain too once the supervisor's command
+  line returns, so SIGKILL of the supervisor itself still takes the whole cell;
 - records how the run ended (glm5_matrix.results.record_ending): afterwards results.json says
-  whether the run completed, and junit.xml is there, marked when the run ended early.
+  whether the run completed, and junit.xml is there, marked when the run ended early, and which
+  kill domain mechanism held the cell (`kill_domain`).
 
 Its exit status is COMMAND's; 128 + the signal that stopped the cell or killed COMMAND; or 1 when
 COMMAND succeeded but processes had to be stopped after it, or a GPU stayed held.
@@ -30,7 +35,10 @@ COMMAND succeeded but processes had to be stopped after it, or a GPU stayed held
 In the runner's process (nox's), stop_on_signals() makes SIGTERM and SIGHUP, which would end nox
 at once and leave the cell to itself, do what Ctrl-C does: the signal goes on to nox's children
 (the supervisor), and nox waits NOX_TIMEOUTS for them to end before it reports the session
-interrupted. Servers are started through die_with_parent(), so a server goes (SIGTERM, a clean
+interrupted. guard_nox_process(), called as the noxfile loads, does the same for the main nox of
+`nox -j` (whose workers lead sessions of their own): a signal goes on to every worker and the
+main nox exits only when none of its descendants is left; a worker stops its cell when the main
+nox dies. Servers are started through die_with_parent(), so a server goes (SIGTERM, a clean
 shutdown of its engine) when the test process that started it goes.
 
 Nothing here selects a process by name: by process id, by process group, or as a descendant.
@@ -40,21 +48,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 
-from glm5_matrix import processes
+from glm5_matrix import kill_domain, processes
+from glm5_matrix.errors import UserError
 
 PR_SET_PDEATHSIG = 1
-PR_SET_CHILD_SUBREAPER = 36
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 GRACE_S = 60.0  # for the test command's own teardown after SIGINT
 KILL_AFTER_S = 10.0  # from SIGTERM to SIGKILL of what is left
@@ -67,18 +74,17 @@ NOX_TIMEOUTS = {
     "interrupt_timeout": GRACE_S + 2 * KILL_AFTER_S + GPU_RELEASE_S + 10.0,
     "terminate_timeout": 10.0,
 }
+# The main nox's wait for every cell to stop (each worker's own wait, and a margin).
+WAIT_ALL_S = NOX_TIMEOUTS["interrupt_timeout"] + NOX_TIMEOUTS["terminate_timeout"] + 15.0
 
 
 def _prctl(option: int, value: int) -> bool:
-    if not sys.platform.startswith("linux"):
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    return int(libc.prctl(option, value, 0, 0, 0)) == 0
+    return kill_domain.prctl(option, value)
 
 
 def become_subreaper() -> bool:
     """Make this process the child subreaper of its descendants (Linux); False elsewhere."""
-    return _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    return kill_domain.become_subreaper()
 
 
 def die_with_parent_self(sig: int = signal.SIGTERM) -> bool:
@@ -86,26 +92,36 @@ def die_with_parent_self(sig: int = signal.SIGTERM) -> bool:
     return _prctl(PR_SET_PDEATHSIG, int(sig))
 
 
-# Runs in the child before the real program: sets PR_SET_PDEATHSIG, checks that the parent did not
-# die before that (the signal would never come), then becomes the program (same pid, so the
-# process group the caller made is the program's).
+# Runs in the child before the real program: joins the cell's cgroup when it has one (argv[3],
+# the cgroup's cgroup.procs, or "-"), so that everything the program starts is inside; sets
+# PR_SET_PDEATHSIG, checks that the parent did not die before that (the signal would never come),
+# then becomes the program (same pid, so the process group the caller made is the program's).
 _EXEC_WITH_PDEATHSIG = (
     "import ctypes, os, sys\n"
+    "if sys.argv[3] != '-':\n"
+    "    try:\n"
+    "        open(sys.argv[3], 'w').write(str(os.getpid()))\n"
+    "    except OSError as exc:\n"
+    "        sys.exit(f'glm5-matrix: error: could not join the cell cgroup {sys.argv[3]}: {exc}')\n"
     "ctypes.CDLL(None, use_errno=True).prctl(1, int(sys.argv[1]), 0, 0, 0)\n"
     "if os.getppid() != int(sys.argv[2]):\n"
     "    os._exit(128 + int(sys.argv[1]))\n"
-    "os.execvp(sys.argv[3], sys.argv[3:])\n"
+    "os.execvp(sys.argv[4], sys.argv[4:])\n"
 )
 
 
-def die_with_parent(command: Sequence[str], sig: int = signal.SIGTERM) -> list[str]:
+def die_with_parent(
+    command: Sequence[str], sig: int = signal.SIGTERM, join: Path | None = None
+) -> list[str]:
     """`command` such that it gets `sig` when this process dies: the command line of a small
-    Python step that sets PR_SET_PDEATHSIG and then execs `command` in the same process. Start it
-    from the thread that lives as long as the process (the main thread): the kernel sends the
-    signal when the thread that started it ends. Unchanged on other systems."""
+    Python step that sets PR_SET_PDEATHSIG and then execs `command` in the same process (after
+    moving itself into the cgroup whose cgroup.procs is `join`, when given). Start it from the
+    thread that lives as long as the process (the main thread): the kernel sends the signal when
+    the thread that started it ends. Unchanged on other systems."""
     if not sys.platform.startswith("linux"):
         return list(command)
-    return [sys.executable, "-c", _EXEC_WITH_PDEATHSIG, str(int(sig)), str(os.getpid()), *command]
+    step = [sys.executable, "-c", _EXEC_WITH_PDEATHSIG, str(int(sig)), str(os.getpid())]
+    return [*step, str(join) if join is not None else "-", *command]
 
 
 def supervised(
@@ -113,14 +129,23 @@ def supervised(
     python: str | Path,
     results_dir: Path | None = None,
     gpus: int = 0,
+    domain: kill_domain.Domain | None = None,
+    register: Path | None = None,
 ) -> list[str]:
     """The command line that runs `command` under the supervisor, with the cell's `python`
-    (which must import glm5_matrix: the runner puts src/ on its PYTHONPATH)."""
+    (which must import glm5_matrix: the runner puts src/ on its PYTHONPATH); the test process
+    joins `domain`, and the supervisor adds itself to the watchdog's `register` file."""
     line = [str(python), "-m", "glm5_matrix.supervision", "--parent", str(os.getpid())]
     if results_dir is not None:
         line += ["--results", str(results_dir)]
     if gpus:
         line += ["--gpus", str(gpus)]
+    if domain is not None:
+        line += ["--domain", domain.argument()]
+    if register is not None:
+        line += ["--register", str(register)]
+    if PARALLEL_WORKER_FLAG in sys.argv:  # a worker of `nox -j`: its parent is the main nox
+        line += ["--main-nox", f"{os.getppid()}:{processes.start_time(os.getppid())}"]
     return [*line, "--", *command]
 
 
@@ -153,6 +178,72 @@ def stop_on_signals() -> Iterator[None]:
             signal.signal(sig, old)
 
 
+PARALLEL_WORKER_FLAG = "--parallel-worker"  # what nox -j adds to each worker nox's arguments
+
+
+def guard_nox_process(argv: Sequence[str]) -> str:
+    """Called as the noxfile loads, in every nox process. A worker of `nox -j` (it leads a session
+    of its own, so no signal to the main nox's group reaches it) gets SIGTERM when the main nox
+    dies, even by SIGKILL, and stops its cell as for a SIGTERM. Any other nox (the main one of
+    `nox -j`, or one that runs its sessions itself) becomes a child subreaper, so what its
+    workers started comes back to it if a worker dies, and takes SIGINT, SIGTERM and SIGHUP as
+    "stop every cell": SIGTERM goes on to its children (the workers, or the supervisor), it
+    waits until none of its descendants is left (killing what is left after WAIT_ALL_S), and
+    only then does nox take it as Ctrl-C (exit status 130). Returns "worker" or "main"."""
+    if PARALLEL_WORKER_FLAG in argv:
+        die_with_parent_self(signal.SIGTERM)
+        return "worker"
+    if threading.current_thread() is not threading.main_thread():
+        return "main"
+    become_subreaper()
+    received: list[int] = []
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        if received:
+            _say(f"{signal.Signals(signum).name} again: the cells are being stopped")
+            return
+        received.append(signum)
+        name = signal.Signals(signum).name
+        started = set(processes.live_children())  # nox's own children: its Popen waits on them
+        if started:
+            _say(f"{name}: stopping every cell, then exiting")
+        for child in started:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGTERM)  # as nox -j does: a worker's stop signal
+        wait_for_descendants(WAIT_ALL_S, keep=started)
+        raise KeyboardInterrupt(name)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, handler)
+    return "main"
+
+
+def wait_for_descendants(seconds: float, keep: Collection[int] = ()) -> list[int]:
+    """Wait up to `seconds` for every descendant of this process to end, reaping the orphans
+    that come to it (a subreaper) but not its children in `keep` (their Popen reaps them); then
+    SIGKILL what is left and wait KILL_AFTER_S more. Returns the pids that had to be killed."""
+    killed: list[int] = []
+    for wait in (seconds, KILL_AFTER_S):
+        deadline = time.monotonic() + wait
+        while True:
+            for pid in processes.zombie_children():
+                if pid not in keep:
+                    with contextlib.suppress(ChildProcessError):
+                        os.waitpid(pid, os.WNOHANG)
+            left = processes.live_descendants()
+            if not left:
+                return killed
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(POLL_S)
+        if not killed:
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            killed = left
+    return killed
+
+
 def _say(line: str) -> None:
     """One line on stderr; a terminal that is gone (SIGHUP) must not stop the teardown."""
     with contextlib.suppress(OSError):
@@ -172,8 +263,18 @@ class Supervisor:
         grace: float = GRACE_S,
         kill_after: float = KILL_AFTER_S,
         linger: float = LINGER_S,
+        domain: kill_domain.Domain | None = None,
+        register: Path | None = None,
+        main_nox: str | None = None,
     ) -> None:
         self.command = list(command)
+        self.domain = domain or kill_domain.Domain(kill_domain.SUBREAPER)
+        self.register = register
+        self.domain_killed: list[int] = []  # members still there after the sweep
+        # PID:START_TIME of the main nox of `nox -j`: when it is gone (killed outright), nobody
+        # waits for the cell any more and it is killed at once, without a teardown.
+        self.main_nox = main_nox
+        self.main_nox_died = False
         self.parent = parent
         self.results_dir = results_dir
         self.gpus = gpus
@@ -213,14 +314,17 @@ class Supervisor:
                 os.setsid()
         if self.parent is not None and os.getppid() != self.parent:
             self.stop_signal, self.runner_died = signal.SIGTERM, True
+        if self.register is not None:
+            kill_domain.register(self.register)  # the watchdog waits for this process too
         held = self._gpus_held_before()
         if held:
             _say(held)
             self._record(1, ending=("gpu-held", None, held))
             return 1
         if self.stop_signal is None:
+            join = self.domain.procs_file() if self.domain.is_cgroup else None
             self.child = subprocess.Popen(
-                die_with_parent(self.command, signal.SIGINT), start_new_session=True
+                die_with_parent(self.command, signal.SIGINT, join=join), start_new_session=True
             )
             self._wait_for_child()
         self._sweep()
@@ -262,7 +366,21 @@ class Supervisor:
             if now - last_look >= 1.0:
                 self.seen.update(processes.live_descendants())
                 last_look = now
+                if self.main_nox and not kill_domain.same_process_alive(self.main_nox):
+                    self.main_nox_died = True
+                    self.stop_signal = self.stop_signal or signal.SIGTERM
+                    self._kill_now()
+                    return
             time.sleep(POLL_S)
+
+    def _kill_now(self) -> None:
+        """Everything of the cell, SIGKILLed at once: the domain, then any descendant left."""
+        if self.domain.is_cgroup:
+            self.domain.kill()
+        for pid in processes.live_descendants():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self._reap()
 
     def _reap(self) -> None:
         """Collect every child that ended (COMMAND and the orphans re-parented to us)."""
@@ -285,8 +403,7 @@ class Supervisor:
         deadline = time.monotonic() + (self.linger if by_itself else 0.0)
         while True:
             self._reap()
-            left = processes.live_descendants()
-            self.seen.update(left)
+            left = self._left()
             if not left or time.monotonic() >= deadline:
                 break
             time.sleep(POLL_S)
@@ -308,12 +425,26 @@ class Supervisor:
                     break
                 time.sleep(POLL_S)
                 self._reap()
-                left = processes.live_descendants()
-                self.seen.update(left)
+                left = self._left()
         self._reap()
+        if self.domain.is_cgroup:
+            # Whatever is still in the cell's cgroup, frozen and killed at once.
+            for pid in self.domain.kill():
+                self.domain_killed.append(pid)
+                self.left_behind.append(f"pid {pid} killed with the cell's cgroup")
+                self.needed_kill = True
+            self._reap()
         for pid in processes.live_descendants():  # in the kernel's hands (state D)
             self.left_behind.append(f"pid {pid} survived SIGKILL: {processes.cmdline(pid)}")
             self.needed_kill = True
+
+    def _left(self) -> list[int]:
+        """The cell's live processes: this process's descendants and the cgroup's members."""
+        left = set(processes.live_descendants())
+        if self.domain.is_cgroup:
+            left.update(self.domain.members())
+        self.seen.update(left)
+        return sorted(left)
 
     # --- GPUs ----------------------------------------------------------------------------------
 
@@ -368,6 +499,13 @@ class Supervisor:
         from glm5_matrix import results
 
         pid = self.child.pid if self.child is not None else None
+        if self.main_nox_died:
+            main = self.main_nox.partition(":")[0] if self.main_nox else "?"
+            return (
+                "process-died",
+                None,
+                f"the main nox (pid {main}) of `nox -j` died; the cell was killed at once",
+            )
         if self.runner_died:
             return (
                 "process-died",
@@ -411,6 +549,11 @@ class Supervisor:
             time.monotonic() - self.started,
             self.left_behind,
             junit=self.results_dir / results.JUNIT_FILE,
+            kill_domain={
+                **self.domain.record(),
+                "stopped_by": "supervisor",
+                "killed": len(self.domain_killed),
+            },
         )
 
 
@@ -425,11 +568,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--grace", type=float, default=GRACE_S)
     parser.add_argument("--kill-after", type=float, default=KILL_AFTER_S)
     parser.add_argument("--linger", type=float, default=LINGER_S)
+    parser.add_argument("--domain", help="the cell's kill domain (MECHANISM[:CGROUP])")
+    parser.add_argument("--register", type=Path, help="the kill domain watchdog's file")
+    parser.add_argument("--main-nox", help="PID:START_TIME of the main nox of `nox -j`")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("no COMMAND after --")
+    try:
+        domain = kill_domain.Domain.from_argument(args.domain) if args.domain else None
+    except UserError as exc:
+        parser.error(str(exc))
     return Supervisor(
         command,
         parent=args.parent,
@@ -438,6 +588,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         grace=args.grace,
         kill_after=args.kill_after,
         linger=args.linger,
+        domain=domain,
+        register=args.register,
+        main_nox=args.main_nox,
     ).run()
 
 

@@ -12,6 +12,9 @@ test the run did not make.
 | SIGKILL of the test process (OOM killer) | engine starting | engine cores starting |
 | a server killed (SIGKILL) while it starts | - (no server) | its engine core started |
 | vLLM's engine core killed mid-generate | greedy test generating | servers just healthy |
+| SIGKILL of the supervisor | engine core there 5 s | engine cores there 5 s |
+| SIGTERM to the main nox of `nox -j 2` | beside `unit`, engine starting | - |
+| SIGKILL of the main nox of `nox -j 2` (judged 10 s after) | beside `unit`, engine starting | - |
 
 Each fault is injected as soon as what it needs is there, read from the run's own output: a
 probe plugin (`-p glm5_faults_probe`, written below) records the test process's pid and when
@@ -45,7 +48,7 @@ from typing import Any
 
 import pytest
 
-from glm5_matrix import processes, results, supervision
+from glm5_matrix import kill_domain, processes, results, supervision
 from glm5_matrix.context import CellContext
 from glm5_matrix.profiles import repo_root
 
@@ -66,7 +69,8 @@ PROBE = textwrap.dedent(
             out.write(json.dumps(event) + "\\n")
 
     def pytest_configure(config):
-        _note(event="start", pid=os.getpid())
+        context = os.environ.get("GLM5_MATRIX_CONTEXT", "")
+        _note(event="start", pid=os.getpid(), cell=os.path.basename(os.path.dirname(context)))
 
     def pytest_runtest_logstart(nodeid, location):
         _note(event="test", nodeid=nodeid)
@@ -78,12 +82,16 @@ PROBE = textwrap.dedent(
 
 
 class Run:
-    """One `nox -s CELL` run of this test, watched from start to exit."""
+    """One `nox -s CELL` run of this test (or `nox -j N -s CELL OTHER...`), watched from start to
+    exit."""
 
-    def __init__(self, cell: str, folder: Path) -> None:
+    def __init__(self, cell: str, folder: Path, others: tuple[str, ...] = (), jobs: int = 0):
         self.cell = cell
+        self.others = others
+        self.jobs = jobs
         self.folder = folder
         self.results = folder / "results" / cell
+        self.first_seen: dict[str, float] = {}  # when a condition first held (for_5s)
         self.log_path = folder / "nox.log"
         self.probe_path = folder / "probe.jsonl"
         self.seen: dict[int, tuple[int | None, str]] = {}  # pid: (start time, command line)
@@ -100,11 +108,13 @@ class Run:
         probe_dir.mkdir()
         (probe_dir / "glm5_faults_probe.py").write_text(PROBE)
         # A stale run's results where this run writes its own: they must not be read back.
-        self.results.mkdir(parents=True)
-        stale = {"planted": True, "outcomes": {"passed": 6}, "tests": {}, "engine_starts": []}
-        stale["wall_seconds"] = 1.0
-        (self.results / "results.json").write_text(json.dumps(stale))
-        (self.results / "junit.xml").write_text('<testsuites planted="true"/>')
+        for cell in (self.cell, *self.others):
+            folder = self.folder / "results" / cell
+            folder.mkdir(parents=True)
+            stale = {"planted": True, "outcomes": {"passed": 6}, "tests": {}, "engine_starts": []}
+            stale["wall_seconds"] = 1.0
+            (folder / "results.json").write_text(json.dumps(stale))
+            (folder / "junit.xml").write_text('<testsuites planted="true"/>')
         env = {
             k: v
             for k, v in os.environ.items()
@@ -123,8 +133,10 @@ class Run:
             PYTHONPATH=str(probe_dir),
         )
         root = repo_root()
-        command = [sys.executable, "-m", "nox", "-f", str(root / "noxfile.py"), "-s", self.cell]
-        command += ["--", "-p", "glm5_faults_probe"]
+        command = [sys.executable, "-m", "nox", "-f", str(root / "noxfile.py")]
+        if self.jobs:
+            command += ["-j", str(self.jobs)]
+        command += ["-s", self.cell, *self.others, "--", "-p", "glm5_faults_probe"]
         with self.log_path.open("wb") as log:
             self.nox = subprocess.Popen(
                 command,
@@ -207,8 +219,8 @@ class Run:
         listening = {port for port, _ in processes.listening_sockets()}
         return sorted(self.ports & listening)
 
-    def results_json(self) -> dict[str, Any]:
-        path = self.results / "results.json"
+    def results_json(self, cell: str | None = None) -> dict[str, Any]:
+        path = self.folder / "results" / (cell or self.cell) / "results.json"
         assert path.is_file(), f"no results.json in {self.results}:\n{self.log_tail()}"
         return dict(json.loads(path.read_text()))
 
@@ -223,8 +235,13 @@ class Run:
             return []
         return [json.loads(line) for line in self.probe_path.read_text().splitlines() if line]
 
-    def test_process(self) -> int | None:
-        starts = [e["pid"] for e in self.events() if e["event"] == "start"]
+    def test_process(self, cell: str | None = None) -> int | None:
+        cell = cell or self.cell
+        starts = [
+            e["pid"]
+            for e in self.events()
+            if e["event"] == "start" and e.get("cell", cell) in (cell, "")
+        ]
         return starts[-1] if starts else None
 
     def last_test(self) -> str | None:
@@ -296,6 +313,24 @@ def generating(run: Run) -> bool:
     return any(e["event"] == "call" and "test_greedy" in e["nodeid"] for e in run.events())
 
 
+def for_5s(condition: Callable[[Run], Any]) -> Callable[[Run], bool]:
+    """`condition`, once it has held for 5 s (from the first poll that saw it)."""
+
+    def waited(run: Run) -> bool:
+        if condition(run):
+            run.first_seen.setdefault(condition.__name__, time.monotonic())
+        seen = run.first_seen.get(condition.__name__)
+        return seen is not None and time.monotonic() - seen >= 5.0
+
+    waited.__name__ = f"{condition.__name__}_for_5s"
+    return waited
+
+
+def both_cells_running(run: Run) -> bool:
+    """Under -j: the e2e engine core is there, and the other cell's test process started."""
+    return engine_starting(run) and all(run.test_process(c) is not None for c in run.others)
+
+
 def engines_starting(run: Run) -> bool:
     """The three servers are there and each has started its engine core."""
     found = run.servers()
@@ -333,6 +368,15 @@ def _kill_test_process(run: Run) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
+def _kill_supervisor(run: Run) -> None:
+    """SIGKILL of the cell's supervisor: the test process's parent."""
+    pid = run.test_process()
+    assert pid is not None
+    stat = processes.proc_stat(pid)
+    assert stat is not None and stat[1] not in (0, 1, os.getpid()), stat
+    os.kill(stat[1], signal.SIGKILL)
+
+
 def _kill_prefill_server(run: Run) -> None:
     os.kill(run.servers()[0], signal.SIGKILL)
 
@@ -351,13 +395,19 @@ class Fault:
     name: str
     when: Callable[[Run], Any]
     inject: Callable[[Run], None]
-    # what results.json must say: ("signal", "SIGTERM"), ("killed", "SIGKILL"), or ("finished",
-    # None) where the test process itself saw the failure and ended its session
+    # what results.json must say: ("signal", "SIGTERM"), ("killed", "SIGKILL"), ("process-died",
+    # None) for a dead supervisor, or ("finished", None) where the test process itself saw the
+    # failure and ended its session
     ending: tuple[str, str | None]
+    # Under `nox -j 2`, with these cells beside `cell` (each must end as `ending` says).
+    others: tuple[str, ...] = ()
+    # Survivors are judged AFTER_EXIT_S after nox exited rather than at once: a SIGKILLed nox
+    # cannot wait for anything, what it ran must be gone by then.
+    settle: bool = False
 
     @property
     def id(self) -> str:
-        return f"{self.cell}:{self.name}"
+        return f"{'+'.join((self.cell, *self.others))}:{self.name}"
 
 
 # Which faults against which cell, and when. SIGHUP takes the path SIGTERM takes (in nox's
@@ -366,7 +416,9 @@ class Fault:
 # take minutes to be healthy on two cores), so only e2e's SIGTERM and the engine-core kills, which
 # need a generate, wait for ready engines; the pd one also shows the servers' ports freed.
 E2E, PD = "e2e-cpu", "pd-nixl-cpu"
-SIGINT, SIGTERM, SIGHUP = signal.SIGINT, signal.SIGTERM, signal.SIGHUP
+SIGINT, SIGTERM, SIGHUP, SIGKILL = signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGKILL
+DIED: tuple[str, str | None] = ("process-died", None)
+J2 = ("unit",)  # the cell beside e2e-cpu under -j 2: its own tests run for minutes
 FAULTS = [
     Fault(E2E, "ctrl-c", engine_starting, _signal_group(SIGINT), ("signal", "SIGINT")),
     Fault(E2E, "sigterm", engine_up, _signal_nox(SIGTERM), ("signal", "SIGTERM")),
@@ -378,6 +430,13 @@ FAULTS = [
     Fault(PD, "sigkill-pytest", engines_starting, _kill_test_process, ("killed", "SIGKILL")),
     Fault(PD, "kill-server", prefill_engine_starting, _kill_prefill_server, ("finished", None)),
     Fault(PD, "kill-engine-core", servers_healthy, _kill_engine_core, ("finished", None)),
+    # The supervisor itself killed outright (an OOM kill, a `kill -9` of the wrong pid): the
+    # runner kills the cell's kill domain and records the death.
+    Fault(E2E, "sigkill-supervisor", for_5s(engine_starting), _kill_supervisor, DIED),
+    Fault(PD, "sigkill-supervisor", for_5s(engines_starting), _kill_supervisor, DIED),
+    # Two cells under `nox -j 2`: each worker nox leads a session of its own.
+    Fault(E2E, "j2-sigterm", both_cells_running, _signal_nox(SIGTERM), ("signal", "SIGTERM"), J2),
+    Fault(E2E, "j2-sigkill", both_cells_running, _signal_nox(SIGKILL), DIED, J2, True),
 ]
 
 
@@ -396,7 +455,9 @@ def runs_dir(cell: CellContext, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 @pytest.mark.parametrize("fault", FAULTS, ids=[f.id for f in FAULTS])
 def test_fault_leaves_nothing_behind(fault: Fault, subreaper: None, runs_dir: Path) -> None:
-    run = Run(fault.cell, runs_dir / fault.id.replace(":", "-"))
+    run = Run(
+        fault.cell, runs_dir / fault.id.replace(":", "-"), fault.others, 2 * bool(fault.others)
+    )
     run.start()
     try:
         run.wait_for(f"the moment for {fault.name}", fault.when)
@@ -406,11 +467,16 @@ def test_fault_leaves_nothing_behind(fault: Fault, subreaper: None, runs_dir: Pa
         survivors = run.survivors()
         ports = run.ports_listening()
         later = survivors
-        if survivors:  # how many are still there a while later (the issue's measure)
+        if survivors or fault.settle:  # how many are still there a while later (the measure)
             time.sleep(AFTER_EXIT_S)
             later = run.survivors()
+        # What is judged: at exit, or (a SIGKILLed nox) AFTER_EXIT_S later.
+        judged, ports = (later, run.ports_listening()) if fault.settle else (survivors, ports)
         results.record_figure(
-            f"faults.{fault.id}.survivors", len(survivors), limit=0, relation="=="
+            f"faults.{fault.id}.survivors",
+            len(survivors),
+            limit=None if fault.settle else 0,
+            relation=None if fault.settle else "==",
         )
         results.record_figure(
             f"faults.{fault.id}.survivors_after_10s", len(later), limit=0, relation="=="
@@ -429,7 +495,7 @@ def test_fault_leaves_nothing_behind(fault: Fault, subreaper: None, runs_dir: Pa
             f"ports seen {sorted(run.ports)}, still listening {ports}"
         )
         assert code is not None, f"nox still running {EXIT_TIMEOUT_S:.0f} s after the fault"
-        assert not survivors, f"processes of the run alive after nox exited: {survivors}"
+        assert not judged, f"processes of the run alive after nox exited: {judged}"
         assert not ports, f"ports of the run still listening: {ports}"
         if fault.when is servers_healthy:  # the port check saw the servers' ports
             assert len(run.ports) >= 3, f"ports seen: {sorted(run.ports)}"
@@ -437,9 +503,31 @@ def test_fault_leaves_nothing_behind(fault: Fault, subreaper: None, runs_dir: Pa
         # The test running when the fault hit: the last one started before it, or one started
         # while the fault took effect.
         started = [e["nodeid"] for e in run.events() if e["event"] == "test"]
-        _check_results(fault, run, started[max(tests_before - 1, 0) :])
+        if fault.others:
+            for cell in (fault.cell, *fault.others):
+                _check_cell_record(fault, run, cell)
+        else:
+            _check_results(fault, run, started[max(tests_before - 1, 0) :])
     finally:
         run.kill_survivors()
+
+
+def _check_cell_record(fault: Fault, run: Run, cell: str) -> None:
+    """One cell of a `nox -j` run: its own record says it was stopped, claims no test it did not
+    start, and its junit.xml is marked incomplete (the main nox prints no summary it was
+    killed before)."""
+    data = run.results_json(cell)
+    assert not data.get("planted"), f"{cell}: results.json is the earlier run's"
+    assert data.get("exit_status") not in (0, None), (cell, data.get("exit_status"))
+    assert data.get("complete") is False, (cell, data.get("ended"))
+    how, sig = fault.ending
+    ended = data.get("ended") or {}
+    assert ended.get("how") == how and ended.get("signal") == sig, (cell, ended)
+    started = {e["nodeid"] for e in run.events() if e["event"] == "test"}
+    assert set(data["tests"]) <= started, (cell, set(data["tests"]) - started)
+    assert data["kill_domain"]["mechanism"] in kill_domain.MECHANISMS, data.get("kill_domain")
+    junit = (run.folder / "results" / cell / "junit.xml").read_text()
+    assert 'name="glm5-matrix.complete" value="false"' in junit, (cell, junit[:400])
 
 
 def _check_results(fault: Fault, run: Run, at_fault: list[str]) -> None:
@@ -469,6 +557,12 @@ def _check_results(fault: Fault, run: Run, at_fault: list[str]) -> None:
         return
     assert data.get("complete") is False, f"a run ended by {fault.name} says it completed: {ended}"
     assert ended.get("how") == how and ended.get("signal") == sig, ended
+    domain = data.get("kill_domain") or {}
+    assert domain.get("mechanism") in kill_domain.MECHANISMS, domain
+    if fault.inject is _kill_supervisor:
+        # The runner stopped the domain and says the supervisor ended without a record.
+        assert domain.get("stopped_by") == "runner", domain
+        assert "supervisor ended without recording" in ended.get("detail", ""), ended
     if ended.get("test") is not None:
         assert ended["test"] in at_fault, (ended, at_fault)
         assert data["tests"][ended["test"]]["outcome"] not in ("passed", "running"), data["tests"]

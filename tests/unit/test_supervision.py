@@ -391,3 +391,117 @@ def test_gpu_cell_starts_when_its_gpu_is_free(tmp_path: Path) -> None:
     )
     proc.communicate(timeout=60)
     assert marker.exists()
+
+
+# --- the nox processes (glm5_matrix.supervision.guard_nox_process) ---------------------------
+
+# The main nox of `nox -j 2`, in small: two workers in sessions of their own, each with a child
+# in a session of its own too; a worker takes 1 s to stop on SIGTERM, its child one more. None
+# holds the main process's stdout or stderr: the test's wait for it does not wait for them.
+_WORKER = textwrap.dedent(
+    """
+    import signal, subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c",
+        "import signal, sys, time\\n"
+        "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1), sys.exit(0)))\\n"
+        "time.sleep(600)"], start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    def stop(signum, frame):
+        time.sleep(1)
+        child.terminate()  # and does not wait for it
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, stop)
+    print(child.pid, flush=True)
+    time.sleep(600)
+    """
+)
+_MAIN_NOX = textwrap.dedent(
+    """
+    import subprocess, sys
+    from glm5_matrix import supervision
+    supervision.guard_nox_process(["nox", "-j", "2"])
+    workers = [subprocess.Popen([sys.executable, "-c", sys.argv[1]], start_new_session=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+               for _ in range(2)]
+    pids = [str(w.pid) for w in workers] + [w.stdout.readline().strip() for w in workers]
+    try:
+        print(" ".join(pids), flush=True)
+        for worker in workers:
+            worker.wait()
+    except KeyboardInterrupt:
+        sys.exit(130)
+    """
+)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_the_main_nox_exits_only_when_every_cell_is_gone(sig: int) -> None:
+    main = subprocess.Popen(
+        [sys.executable, "-c", _MAIN_NOX, _WORKER],
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert main.stdout is not None
+    pids = [int(p) for p in main.stdout.readline().split()]
+    assert len(pids) == 4
+    starts = {pid: processes.start_time(pid) for pid in pids}
+    signalled = time.monotonic()
+    main.send_signal(sig)
+    _, err = main.communicate(timeout=60)
+    # At the moment the main process is gone, none of its workers or their children is left.
+    assert [pid for pid, started in starts.items() if _alive(pid, started)] == []
+    assert main.returncode == 130, err
+    assert time.monotonic() - signalled >= 1.0  # it waited for the workers' own teardown
+    assert "stopping every cell" in err
+
+
+def test_a_nox_worker_is_stopped_when_the_main_nox_is_killed(tmp_path: Path) -> None:
+    marker = tmp_path / "stopped"
+    worker = textwrap.dedent(
+        """
+        import signal, sys, time
+        from glm5_matrix import supervision
+        signal.signal(signal.SIGTERM, lambda *a: (open(sys.argv[1], "w").write("SIGTERM"),
+                                                  sys.exit(143)))
+        supervision.guard_nox_process(["nox", "--parallel-worker"])
+        open(sys.argv[1] + ".ready", "w")
+        time.sleep(600)
+        """
+    )
+    main = textwrap.dedent(
+        """
+        import subprocess, sys, time
+        subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], start_new_session=True)
+        time.sleep(600)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", main, worker, str(marker)], env=_env())
+    _wait_for(lambda: Path(f"{marker}.ready").exists())
+    proc.kill()
+    proc.wait()
+    assert _wait_for(lambda: marker.is_file() and marker.read_text()) == "SIGTERM"
+
+
+def test_the_cell_is_killed_at_once_when_the_main_nox_dies(tmp_path: Path) -> None:
+    main = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    pid_file, marker = tmp_path / "grandchild.pid", tmp_path / "int"
+    proc = _supervise(
+        [sys.executable, "-c", _ORPHANING, str(pid_file), "600", str(marker)],
+        tmp_path,
+        "--main-nox",
+        f"{main.pid}:{processes.start_time(main.pid)}",
+    )
+    grandchild = int(_wait_for(lambda: pid_file.is_file() and pid_file.read_text()))
+    started = processes.start_time(grandchild)
+    main.kill()
+    main.wait()
+    killed_at = time.monotonic()
+    proc.communicate(timeout=60)
+    assert time.monotonic() - killed_at < 5  # no 60 s grace: nobody waits for the cell
+    assert not _alive(grandchild, started)
+    assert not marker.exists()  # killed, not interrupted
+    ended = _results(tmp_path)["ended"]
+    assert ended["how"] == "process-died" and f"main nox (pid {main.pid})" in ended["detail"]
+    assert proc.returncode == 128 + signal.SIGTERM
