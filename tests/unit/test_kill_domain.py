@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from polling import wait_for
 
 from glm5_matrix import kill_domain, processes, supervision
 from glm5_matrix.errors import UserError
@@ -78,18 +79,8 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _wait_for(predicate, seconds: float = 30.0):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        found = predicate()
-        if found:
-            return found
-        time.sleep(0.05)
-    raise AssertionError(f"not within {seconds} s")
-
-
 def _read_pids(path: Path) -> dict[int, int | None]:
-    pids = [int(p) for p in _wait_for(lambda: path.is_file() and path.read_text()).split()]
+    pids = [int(p) for p in wait_for(lambda: path.is_file() and path.read_text()).split()]
     return {pid: processes.start_time(pid) for pid in pids}
 
 
@@ -217,8 +208,8 @@ def test_the_watchdog_kills_the_tree_when_runner_and_supervisor_are_killed(
     for pid in (runner.pid, supervisor[0]):
         os.kill(pid, signal.SIGKILL)
     runner.wait(timeout=10)
-    _wait_for(lambda: not _alive(pids), 20)
-    _wait_for(lambda: not _alive({watchdog[0]: watchdog_started}), 20)  # and it is gone
+    wait_for(lambda: not _alive(pids), 20)
+    wait_for(lambda: not _alive({watchdog[0]: watchdog_started}), 20)  # and it is gone
     assert not report.exists()  # the runner never got to its own kill
 
 

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from polling import wait_for
 
 from glm5_matrix import processes, supervision
 
@@ -50,16 +51,6 @@ def _supervise(
         stderr=subprocess.PIPE,
         text=True,
     )
-
-
-def _wait_for(predicate, seconds: float = 30.0):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        found = predicate()
-        if found:
-            return found
-        time.sleep(0.05)
-    raise AssertionError(f"not within {seconds} s")
 
 
 def _alive(pid: int, started: int | None) -> bool:
@@ -131,7 +122,7 @@ def test_sigterm_stops_the_command_with_sigint_first(tmp_path: Path) -> None:
         "--kill-after",
         "1",
     )
-    grandchild = int(_wait_for(lambda: pid_file.is_file() and pid_file.read_text()))
+    grandchild = int(wait_for(lambda: pid_file.is_file() and pid_file.read_text()))
     started = processes.start_time(grandchild)
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=60)
@@ -169,7 +160,7 @@ def test_a_command_ignoring_sigint_and_sigterm_is_killed_in_bounded_time(tmp_pat
         "--kill-after",
         "1",
     )
-    grandchild = int(_wait_for(lambda: pid_file.is_file() and pid_file.read_text()))
+    grandchild = int(wait_for(lambda: pid_file.is_file() and pid_file.read_text()))
     command = processes.live_children(proc.pid)[0]
     starts = {pid: processes.start_time(pid) for pid in (command, grandchild)}
     signalled = time.monotonic()
@@ -203,7 +194,7 @@ def test_a_killed_command_is_recorded_with_the_test_it_was_in(tmp_path: Path) ->
     }
     (out / "results.json").write_text(json.dumps(partial))
     proc = _supervise([sys.executable, "-c", "import time; time.sleep(600)"], tmp_path)
-    command = _wait_for(lambda: processes.live_children(proc.pid))[0]
+    command = wait_for(lambda: processes.live_children(proc.pid))[0]
     os.kill(command, signal.SIGKILL)
     proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGKILL
@@ -248,7 +239,7 @@ def test_the_supervisor_stops_the_cell_when_the_runner_is_killed_outright(
         env=_env(),
         start_new_session=True,  # the runner leads a process group, as nox -j's sessions do
     )
-    grandchild = int(_wait_for(lambda: pid_file.is_file() and pid_file.read_text()))
+    grandchild = int(wait_for(lambda: pid_file.is_file() and pid_file.read_text()))
     grandchild_started = processes.start_time(grandchild)
     supervisor = processes.live_children(middle.pid)[0]
     started = processes.start_time(supervisor)
@@ -257,7 +248,7 @@ def test_the_supervisor_stops_the_cell_when_the_runner_is_killed_outright(
     else:
         os.killpg(middle.pid, signal.SIGKILL)  # and everything still in its group
     middle.wait()
-    _wait_for(lambda: not _alive(supervisor, started), 60)
+    wait_for(lambda: not _alive(supervisor, started), 60)
     assert not _alive(grandchild, grandchild_started)
     assert marker.read_text() == "SIGINT"
     ended = _results(tmp_path)["ended"]
@@ -278,14 +269,14 @@ def test_die_with_parent_takes_the_command_down_with_its_parent(tmp_path: Path) 
     )
     command = [b"-c", b"import time; time.sleep(600)"]
     parent = subprocess.Popen([sys.executable, "-c", parent_code, str(pid_file)], env=_env())
-    sleeper = int(_wait_for(lambda: pid_file.is_file() and pid_file.read_text()))
+    sleeper = int(wait_for(lambda: pid_file.is_file() and pid_file.read_text()))
     # The small step before the command has exec'd it: the process is the command now.
-    _wait_for(lambda: Path(f"/proc/{sleeper}/cmdline").read_bytes().split(b"\0")[1:3] == command)
+    wait_for(lambda: Path(f"/proc/{sleeper}/cmdline").read_bytes().split(b"\0")[1:3] == command)
     assert processes.proc_stat(sleeper)[2] == sleeper  # exec kept the pid: it leads its group
     started = processes.start_time(sleeper)
     parent.kill()
     parent.wait()
-    _wait_for(lambda: not _alive(sleeper, started), 10)
+    wait_for(lambda: not _alive(sleeper, started), 10)
 
 
 _FORWARDING = textwrap.dedent(
@@ -326,9 +317,9 @@ def test_stop_on_signals_forwards_the_first_signal_and_waits(tmp_path: Path) -> 
         stderr=subprocess.PIPE,
         text=True,
     )
-    _wait_for(lambda: seen.is_file() and "ready" in seen.read_text())
+    wait_for(lambda: seen.is_file() and "ready" in seen.read_text())
     proc.send_signal(signal.SIGTERM)
-    _wait_for(lambda: "SIGTERM" in seen.read_text())
+    wait_for(lambda: "SIGTERM" in seen.read_text())
     proc.send_signal(signal.SIGTERM)  # ignored: the child's teardown is under way
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 130
@@ -478,10 +469,10 @@ def test_a_nox_worker_is_stopped_when_the_main_nox_is_killed(tmp_path: Path) -> 
         """
     )
     proc = subprocess.Popen([sys.executable, "-c", main, worker, str(marker)], env=_env())
-    _wait_for(lambda: Path(f"{marker}.ready").exists())
+    wait_for(lambda: Path(f"{marker}.ready").exists())
     proc.kill()
     proc.wait()
-    assert _wait_for(lambda: marker.is_file() and marker.read_text()) == "SIGTERM"
+    assert wait_for(lambda: marker.is_file() and marker.read_text()) == "SIGTERM"
 
 
 def test_the_cell_is_killed_at_once_when_the_main_nox_dies(tmp_path: Path) -> None:
@@ -493,7 +484,7 @@ def test_the_cell_is_killed_at_once_when_the_main_nox_dies(tmp_path: Path) -> No
         "--main-nox",
         f"{main.pid}:{processes.start_time(main.pid)}",
     )
-    grandchild = int(_wait_for(lambda: pid_file.is_file() and pid_file.read_text()))
+    grandchild = int(wait_for(lambda: pid_file.is_file() and pid_file.read_text()))
     started = processes.start_time(grandchild)
     main.kill()
     main.wait()
