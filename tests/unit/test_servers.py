@@ -405,3 +405,47 @@ def test_a_server_start_records_what_it_compiled_and_the_guard_fails_it(
     quiet = {k: v for k, v in env.items() if k != "STUB_COMPILE"}
     with servers.VllmServer("warm", "/m", env=quiet, log_dir=tmp_path):
         pass
+
+
+def test_worker_rpc_posts_the_method_and_string_arguments(tmp_path: Path) -> None:
+    """The client side of vLLM's dev-mode /collective_rpc (the answers' shape as vLLM's
+    entrypoints/serve/dev/rpc/api_router.py gives them): one result per worker back, an HTTP
+    error as a ServerError naming the method."""
+    import http.server
+    import json
+    import threading
+
+    seen: list[dict] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append({"path": self.path, **body})
+            if body["method"] == "broken":
+                self.send_response(500)
+                self.end_headers()
+                self.wfile.write(b'{"error": {"message": "Worker failed"}}')
+                return
+            answer = json.dumps({"results": [[["d1", "d2"]]]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        server = servers.VllmServer("p", tmp_path, log_dir=tmp_path)
+        server.port = httpd.server_address[1]
+        assert server.worker_rpc("glm5_page_digests", '[["l", 3]]') == [[["d1", "d2"]]]
+        assert seen[0]["path"] == "/collective_rpc"
+        assert seen[0]["method"] == "glm5_page_digests" and seen[0]["args"] == ['[["l", 3]]']
+        with pytest.raises(servers.ServerError, match="p: /collective_rpc broken: HTTP 500"):
+            server.worker_rpc("broken")
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
