@@ -274,7 +274,7 @@ def _make_cgroup(mechanism: str, name: str) -> Domain:
             raise OSError(f"{folder} has no {needed}")
         _probe(domain)
     except OSError:
-        domain.remove()
+        domain.kill(timeout=2.0)  # a probe may still be inside: no cgroup is left behind
         raise
     return domain
 
