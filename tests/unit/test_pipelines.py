@@ -300,7 +300,7 @@ def _reads(matrix, variant) -> set[str]:
 
 def test_each_steps_if_changed_covers_every_file_the_cell_reads(matrix):
     tracked = _tracked()
-    assert matrix.cell("faults").runs == ("e2e-cpu", "pd-nixl-cpu")
+    assert matrix.cell("faults").runs == ("e2e-cpu", "pd-nixl-cpu", "unit")
     for variant in matrix.variants:
         patterns = [_glob(p) for p in pipelines.harness_paths(matrix, variant)]
         missed = sorted(f for f in _reads(matrix, variant) if not any(p.match(f) for p in patterns))
@@ -308,7 +308,7 @@ def test_each_steps_if_changed_covers_every_file_the_cell_reads(matrix):
         for pattern in pipelines.harness_paths(matrix, variant):  # none stale
             assert any(_glob(pattern).match(f) for f in tracked), f"{variant.id}: {pattern}"
     faults = matrix.variant("faults").guards
-    for ran in ("e2e-cpu", "pd-nixl-cpu"):
+    for ran in matrix.cell("faults").runs:
         assert set(matrix.variant(ran).guards) <= set(faults)
 
 
