@@ -152,6 +152,8 @@ def test_every_gpu_engine_cell_is_selected_by_a_vllm_folder_change(matrix):
         (["/vllm/v1/core/block_pool.py"], "", "an absolute path"),
         ([""], "", "no paths given"),
     ],
+    # Readable ids: the report's page shows test names, and HTML collapses a newline.
+    ids=["empty-stdin", "blank-stdin", "absolute-path", "empty-argument"],
 )
 def test_cli_refuses_what_it_cannot_answer(args, stdin, message):
     result = _cli(*args, stdin=stdin)
