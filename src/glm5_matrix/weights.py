@@ -7,7 +7,8 @@ then emits one token forever (40354 x 32 on an H200), so every "outputs are equa
 would pass vacuously. This loader keeps vLLM's dummy machinery (dtype handling, devices,
 quantized layers) but picks the ranges the way an initialiser would:
 
-- norm weights 1, biases 0;
+- norm weights 1, biases 0, except the MLA layers' query norm (`q_a_layernorm`), whose weights
+  are QUERY_GAIN: sharper attention (below);
 - matrices uniform in +-sqrt(3 / fan_in), so activations keep their scale layer to layer;
 - fp8 matrices uniform in +-1 with their block scales set to sqrt(3 / fan_in), the same
   effective weights;
@@ -23,6 +24,14 @@ of the steps). Greedy output is then decided by the tie-break and by one step of
 comparison of greedy runs is weak. Rows scaled by gain * rank^-0.5 leave few tokens in
 contention at each step, still depending on the state: the same simulation gives a median
 margin of ~46 steps and an exact tie at ~1% of the steps, with 10-12 distinct tokens in 24.
+
+Why the query gain: with q and k of unit scale the MLA layer's softmax over the 2048 keys its
+indexer selects is nearly flat, its output the mean of thousands of random values, and the
+logits depend on the last tokens and hardly on earlier ones. On the H200 a prompt whose first
+4352-token block was drawn anew (what a wrong or stale cached block amounts to: the suites'
+negative control) then moved the logprobs by 0.16-0.20, 1.05-1.5 times the engine's own noise
+(issue 27), and changed no token. Scaling q by QUERY_GAIN makes each query attend to the few
+keys it matches best, so the output depends on which earlier tokens are there.
 
 Each tensor's seed comes from its name, so P and D instances (and repeated runs) get identical
 weights. vLLM loads the format in every process through the `vllm.general_plugins` entry point
@@ -42,6 +51,10 @@ LOAD_FORMAT = "glm5-random"
 HEAD_ZIPF_EXPONENT = 0.5
 HEAD_GAIN = 3.0
 HEAD_MODULES = ("ParallelLMHead",)
+# The MLA query norm's weight (q = q_b_proj(q_a_layernorm(q_a_proj(x)))): the attention logits'
+# scale, ~1 at weight 1 (see the module doc).
+QUERY_GAIN = 8.0
+QUERY_NORMS = ("q_a_layernorm",)
 PLUGIN_GROUP = "vllm.general_plugins"
 PLUGIN_NAME = "glm5_matrix_random_weights"
 PLUGIN_TARGET = "glm5_matrix.weights:register"
@@ -67,10 +80,11 @@ def choose_init(
     module_kind: str,
     sibling_shape: tuple[int, ...] | None = None,
     sibling_bits: int | None = None,
+    module_name: str = "",
 ) -> Init:
     """The rule for one tensor. `name` is its name inside its module (`weight`,
     `w13_weight_scale_inv`), `module_kind` the module's class name, `sibling_*` describe the
-    quantized tensor a scale belongs to."""
+    quantized tensor a scale belongs to, `module_name` the module's path in the model."""
     if not is_float:
         return Init("vllm-default")
     leaf = name.rsplit(".", 1)[-1]
@@ -81,6 +95,8 @@ def choose_init(
     if leaf == "bias":
         return Init("constant", 0.0)
     if "norm" in module_kind.lower() and leaf == "weight" and len(shape) == 1:
+        if module_name.rsplit(".", 1)[-1] in QUERY_NORMS:
+            return Init("constant", QUERY_GAIN)
         return Init("constant", 1.0)
     if module_kind in HEAD_MODULES and leaf == "weight" and len(shape) == 2 and bits > 8:
         return Init("head", math.sqrt(3.0 / shape[-1]))
@@ -161,6 +177,7 @@ def _loader_class() -> Any:
                         type(layer).__name__,
                         tuple(sibling.shape) if sibling is not None else None,
                         bits_of(sibling) if sibling is not None else None,
+                        module_name=prefix,
                     )
                     seed = seed_for(f"{prefix}.{name}")
                     if rule.kind == "constant":

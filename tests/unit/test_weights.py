@@ -15,6 +15,7 @@ from glm5_matrix.weights import (
     HEAD_GAIN,
     HEAD_ZIPF_EXPONENT,
     LOAD_FORMAT,
+    QUERY_GAIN,
     choose_init,
     head_row_scales,
     scale_sibling,
@@ -27,6 +28,16 @@ def test_norm_weights_are_one_and_biases_zero():
     assert choose_init("weight", (4096,), True, 16, "RMSNorm").value == 1.0
     assert choose_init("weight", (4096,), True, 16, "GemmaRMSNorm").value == 1.0
     assert choose_init("bias", (4096,), True, 16, "ColumnParallelLinear").value == 0.0
+
+
+def test_mla_query_norm_sharpens_attention():
+    """Only the MLA query norm gets the gain: the KV latent's norm and the layer norms stay 1."""
+    query = choose_init(
+        "weight", (1536,), True, 16, "RMSNorm", module_name="model.layers.3.self_attn.q_a_layernorm"
+    )
+    assert query.kind == "constant" and query.value == QUERY_GAIN > 1
+    for other in ("model.layers.3.self_attn.kv_a_layernorm", "model.layers.3.input_layernorm"):
+        assert choose_init("weight", (512,), True, 16, "RMSNorm", module_name=other).value == 1.0
 
 
 def test_matrices_keep_activation_scale():
