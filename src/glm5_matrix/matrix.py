@@ -16,7 +16,7 @@ from typing import Any
 from glm5_matrix.errors import UserError, load_toml
 
 MATRIX_FILE = "matrix.toml"
-SUITES = ("e2e", "offload", "pd", "dflash", "layout", "metadata", "unit", "lint", "faults")
+SUITES = ("e2e", "offload", "pd", "dflash", "noise", "layout", "metadata", "unit", "lint", "faults")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 _VALUE = re.compile(r"^[A-Za-z0-9_.-]+$")
 # A vLLM source path, relative to the root of vLLM's repository: a file, or a folder ending in /.
