@@ -40,7 +40,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from glm5_matrix.results import write_json_atomic  # noqa: E402
+from glm5_matrix.files import write_json_atomic  # noqa: E402
 
 
 def warm_run(

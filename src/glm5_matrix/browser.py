@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from glm5_matrix.errors import UserError
+from glm5_matrix.files import write_atomic
 
 CHROMIUM_VARIABLE = "GLM5_MATRIX_CHROMIUM"
 CANDIDATES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
@@ -262,9 +263,7 @@ def load_page(
             shot = tools.call(
                 "Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True}
             )
-            tmp = screenshot.with_name(f".{screenshot.name}.{os.getpid()}.tmp")
-            tmp.write_bytes(base64.b64decode(shot["data"]))
-            os.replace(tmp, screenshot)
+            write_atomic(screenshot, base64.b64decode(shot["data"]))
             loaded.screenshot = screenshot
         events = list(tools.events)
     for event in events:

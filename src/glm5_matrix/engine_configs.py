@@ -26,8 +26,8 @@ from glm5_matrix import kernel_cache
 from glm5_matrix.context import CellContext
 from glm5_matrix.engines import EngineSpec, engine_spec
 from glm5_matrix.errors import UserError
+from glm5_matrix.files import write_json_atomic
 from glm5_matrix.profiles import Profile
-from glm5_matrix.results import write_json_atomic
 
 LEDGER_VARIABLE = "GLM5_MATRIX_WARM_LEDGER"
 SERVED_MODEL = "pd-model"  # one name on every PD server, so requests read the same on P and D

@@ -29,6 +29,7 @@ from typing import Any
 
 from glm5_matrix import torch_source
 from glm5_matrix.errors import UserError, load_toml
+from glm5_matrix.files import write_atomic
 from glm5_matrix.torch_source import TorchPin, TorchSource
 
 ENVS_DIR = "envs"
@@ -320,7 +321,7 @@ def build(
     constraints = constraints_for(env, override, venv)
     with tempfile.TemporaryDirectory(prefix="glm5-matrix-") as scratch:
         run(install_command(env, python, constraints, override, Path(scratch), torch))
-    _write_atomic(marker, json.dumps(wanted, indent=2, sort_keys=True))
+    write_atomic(marker, json.dumps(wanted, indent=2, sort_keys=True))
     return BuiltEnv(python, venv / "bin", venv, False, variables, torch)
 
 
@@ -368,7 +369,7 @@ def lock(env: EnvDefinition, run: Any = None, environ: dict[str, str] | None = N
     )
     target = env.constraints_path
     target.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomic(target, header + pins)
+    write_atomic(target, header + pins)
     return target
 
 
@@ -397,12 +398,6 @@ def _resolution_options(env: EnvDefinition, scratch: Path) -> list[str]:
     for url in env.index_urls:
         options += ["--extra-index-url", url]
     return options
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _run(command: list[str]) -> None:

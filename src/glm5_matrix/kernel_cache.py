@@ -94,8 +94,9 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from pathlib import Path
 
-from glm5_matrix import hardware, results
+from glm5_matrix import hardware
 from glm5_matrix.cache import cache_root
+from glm5_matrix.files import write_json_atomic
 
 ROOT_VARIABLE = "GLM5_MATRIX_KERNEL_CACHE"
 # The key folder in use, set with the library variables: whoever finds it set does not
@@ -274,7 +275,7 @@ def prepare(kernels: KernelCache) -> KernelCache:
         kernels.folder(library).mkdir(parents=True, exist_ok=True)
     key_file = kernels.directory / KEY_FILE
     if not key_file.is_file():
-        results.write_json_atomic(key_file, kernels.key)
+        write_json_atomic(key_file, kernels.key)
     return kernels
 
 

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
 from glm5_matrix.errors import UserError
+from glm5_matrix.files import write_atomic
 from glm5_matrix.matrix import MATRIX_FILE, Matrix, Variant, load_matrix, parse_compute_capability
 
 KINDS = ("buildkite", "github")
@@ -423,9 +423,7 @@ def _write(text: str, output: Path | None) -> None:
         sys.stdout.write(text)
         return
     output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(f".{output.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, output)
+    write_atomic(output, text)
     print(f"wrote {output}", file=sys.stderr)
 
 

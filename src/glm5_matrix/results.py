@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from glm5_matrix.files import write_atomic, write_json_atomic
+
 RESULTS_FILE = "results.json"
 RESULTS_VARIABLE = "GLM5_MATRIX_RESULTS"  # where the cells' results folders go
 JUNIT_FILE = "junit.xml"
@@ -124,14 +126,6 @@ def results_base(environ: Mapping[str, str]) -> Path:
     from glm5_matrix.profiles import repo_root
 
     return Path(environ.get(RESULTS_VARIABLE) or repo_root() / "results")
-
-
-def write_json_atomic(path: Path, data: Any, compact: bool = False) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    text = json.dumps(data) if compact else json.dumps(data, indent=2, sort_keys=True)
-    tmp.write_text(text + "\n")
-    os.replace(tmp, path)
 
 
 def ending(how: str, detail: str, signal: str | None = None, test: str | None = None) -> dict:
@@ -382,9 +376,7 @@ def _mark_incomplete(root: ET.Element, ended: dict[str, Any]) -> None:
 
 
 def _write_xml(path: Path, root: ET.Element) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    ET.ElementTree(root).write(tmp, encoding="utf-8", xml_declaration=True)
-    os.replace(tmp, path)
+    write_atomic(path, ET.tostring(root, encoding="utf-8", xml_declaration=True))
 
 
 # --- the summary line --------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from glm5_matrix import (
     weights,
 )
 from glm5_matrix.errors import UserError
+from glm5_matrix.files import write_json_atomic
 from glm5_matrix.matrix import MATRIX_FILE, Matrix, Variant, load_matrix
 from glm5_matrix.profiles import load_profile, repo_root
 
@@ -189,7 +190,7 @@ def take_lease(
         return leases.lease_cell(variant, found, environ, say=session.warn)
     except leases.LeaseTimeout as exc:
         empty_results_dir(out)
-        results.write_json_atomic(out / leases.RECORD_FILE, exc.record)
+        write_json_atomic(out / leases.RECORD_FILE, exc.record)
         if hardware.strict(environ):
             session.error(f"{exc} ({hardware.STRICT_VARIABLE} is set)")
         session.skip(str(exc))
@@ -238,7 +239,7 @@ def _run_leased(
         session.log(f"kernel cache: {kernels.describe()} (guard {'on' if guarded else 'off'})")
 
     if lease.gpus:
-        results.write_json_atomic(out / leases.RECORD_FILE, lease.record())
+        write_json_atomic(out / leases.RECORD_FILE, lease.record())
     ctx = cell_context.for_variant(
         variant,
         weights=model_source,
@@ -247,7 +248,7 @@ def _run_leased(
     )
     ctx = replace(ctx, environment={**cell_environment, **lease.environment()})
     context_file = out / "context.json"
-    results.write_json_atomic(context_file, asdict(ctx))
+    write_json_atomic(context_file, asdict(ctx))
 
     run_env = dict(ctx.environment)
     run_env.update(kernels.environment() if kernels is not None else {})
@@ -360,7 +361,7 @@ def record_domain(out: Path, state: kill_domain.Held, seconds: float) -> None:
         stopped["killed_by_runner"] = len(state.killed)
         stopped["killed"] = (data.get("kill_domain") or {}).get("killed", 0)
         data["kill_domain"] = stopped
-        results.write_json_atomic(out / results.RESULTS_FILE, data)
+        write_json_atomic(out / results.RESULTS_FILE, data)
         return
     detail = (
         "the supervisor ended without recording how the run ended (it was killed or died); "

@@ -46,6 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from glm5_matrix.files import write_atomic
+
 LOAD_FORMAT = "glm5-random"
 # The head's rows: gain * (1 + rank)^-exponent over a seeded ranking of the vocabulary.
 HEAD_ZIPF_EXPONENT = 0.5
@@ -222,7 +224,5 @@ def write_plugin_site(directory: Path) -> Path:
         "entry_points.txt": entry_points_text(),
     }
     for name, text in files.items():
-        tmp = info / f".{name}.tmp"
-        tmp.write_text(text)
-        tmp.replace(info / name)
+        write_atomic(info / name, text)
     return directory

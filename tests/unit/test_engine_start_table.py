@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from glm5_matrix.files import write_json_atomic
 from glm5_matrix.profiles import repo_root
-from glm5_matrix.results import write_json_atomic
 
 SCRIPT = repo_root() / "benchmarks" / "engine_start.py"
 
