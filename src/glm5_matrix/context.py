@@ -18,6 +18,8 @@ from glm5_matrix.errors import UserError
 
 CONTEXT_VARIABLE = "GLM5_MATRIX_CONTEXT"
 CELL_VARIABLE = "GLM5_MATRIX_CELL"
+# The warm step's ledger of configurations warmed (engine_configs.WarmLedger), set by `nox -s warm`.
+LEDGER_VARIABLE = "GLM5_MATRIX_WARM_LEDGER"
 
 
 @dataclass(frozen=True)

@@ -23,19 +23,16 @@ from pathlib import Path
 from typing import Any
 
 from glm5_matrix import kernel_cache
-from glm5_matrix.context import CellContext
+from glm5_matrix.context import LEDGER_VARIABLE, CellContext
 from glm5_matrix.engines import EngineSpec, engine_spec
 from glm5_matrix.errors import UserError
 from glm5_matrix.files import write_json_atomic
 from glm5_matrix.profiles import Profile
 
-LEDGER_VARIABLE = "GLM5_MATRIX_WARM_LEDGER"
 SERVED_MODEL = "pd-model"  # one name on every PD server, so requests read the same on P and D
 OFFLOAD_CONNECTORS = {"simple": "SimpleCPUOffloadConnector", "offloading": "OffloadingConnector"}
 PD_CONNECTORS = {"nixl": "NixlConnector"}
 PD_WORKER_EXTENSION = "glm5_matrix.worker_pages.PageReader"
-# Suites whose cells start engines or servers (the others have nothing to warm).
-ENGINE_SUITES = ("e2e", "offload", "dflash", "pd", "noise")
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,8 @@ from glm5_matrix.errors import UserError, load_toml
 
 MATRIX_FILE = "matrix.toml"
 SUITES = ("e2e", "offload", "pd", "dflash", "noise", "layout", "metadata", "unit", "lint", "faults")
+# Suites whose cells start engines or servers (the others have nothing to warm).
+ENGINE_SUITES = ("e2e", "offload", "dflash", "pd", "noise")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 _VALUE = re.compile(r"^[A-Za-z0-9_.-]+$")
 # A vLLM source path, relative to the root of vLLM's repository: a file, or a folder ending in /.

@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from glm5_matrix import hardware, kernel_archive, kernel_cache, results, runner
-from glm5_matrix.engine_configs import ENGINE_SUITES, LEDGER_VARIABLE
+from glm5_matrix.context import LEDGER_VARIABLE
 from glm5_matrix.errors import UserError
-from glm5_matrix.matrix import Matrix, Variant
+from glm5_matrix.matrix import ENGINE_SUITES, Matrix, Variant
 from glm5_matrix.results import RESULTS_FILE
 
 WARM_SUITE = "tests/suites/test_warm.py"
