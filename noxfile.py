@@ -1,6 +1,6 @@
 """glm5-matrix cells as nox sessions.
 
-Thin on purpose: the cells are data (matrix.toml), the logic is glm5_matrix.runner. Every
+Thin on purpose: the cells are data (matrix.toml), the logic is glm5_matrix.sessions.runner. Every
 session uses venv_backend="none" because the hardware preflight must run before any
 environment is built; the runner then builds the cell's own uv venv.
 
@@ -16,7 +16,7 @@ environment is built; the runner then builds the cell's own uv venv.
     nox -s warm -- -t gpu        # compile what the GPU cells need into the kernel cache first
 
 Every cell allows nox's parallel mode (-j): a GPU cell leases its GPUs before it builds
-anything (glm5_matrix.leases), so parallel cells never share one. plan, lock and bench run alone.
+anything (glm5_matrix.machine.leases), so parallel cells never share one. plan, lock and bench run alone.
 """
 
 from __future__ import annotations
@@ -28,9 +28,11 @@ import nox
 
 sys.path.insert(0, str(Path(__file__).parent / "src"))
 
-from glm5_matrix import environments, hardware, runner, supervision, tools, warm
+from glm5_matrix.envs import environments
 from glm5_matrix.errors import UserError
-from glm5_matrix.matrix import Cell, Matrix
+from glm5_matrix.machine import hardware, supervision
+from glm5_matrix.matrix.matrix import Cell, Matrix
+from glm5_matrix.sessions import runner, tools, warm
 
 nox.options.default_venv_backend = "none"
 # A bare `nox` only prints the plan. The default is left unset while listing, because nox's
@@ -39,7 +41,7 @@ if not {"-l", "--list", "--list-sessions", "--json"} & set(sys.argv):
     nox.options.sessions = ["plan"]
 nox.options.error_on_missing_interpreters = True
 # A signal to nox stops every cell and nox exits only once they are gone; a worker of `nox -j`
-# stops its cell when the main nox dies (glm5_matrix.supervision.guard_nox_process).
+# stops its cell when the main nox dies (glm5_matrix.machine.supervision.guard_nox_process).
 supervision.guard_nox_process(sys.argv)
 
 try:

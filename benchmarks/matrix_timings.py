@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from glm5_matrix import environments  # noqa: E402
+from glm5_matrix.envs import environments  # noqa: E402
 
 
 def time_nox_list(repeat: int) -> list[float]:

@@ -36,7 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from glm5_matrix import synthetic  # noqa: E402
+from glm5_matrix.checkpoints import synthetic  # noqa: E402
 
 # Widths under which the expert count is scaled to reach the target size.
 BENCH_TEXT_WIDTHS = {

@@ -1,6 +1,6 @@
 """The harness's cache: folders it generates once and reuses (the tiny hybrid model, synthesized
 drafters). The compiled kernels of the engines it starts live under it too, in their own
-module (glm5_matrix.kernel_cache).
+module (glm5_matrix.kernels.kernel_cache).
 
 Root: $GLM5_MATRIX_CACHE, else ~/.cache/glm5-matrix. A generated folder is written into a staging
 folder beside its final name and renamed into place, so a reader sees a whole folder or none, and

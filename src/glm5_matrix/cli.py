@@ -12,11 +12,11 @@ from glm5_matrix.errors import UserError
 # Each module exposes register(subparsers), which adds its subcommand(s) and sets `func`.
 _COMMAND_MODULES = (
     "glm5_matrix.checkpoints",
-    "glm5_matrix.layout",
-    "glm5_matrix.guards",
+    "glm5_matrix.verdicts.layout",
+    "glm5_matrix.matrix.guards",
     "glm5_matrix.report",
     "glm5_matrix.pipelines",
-    "glm5_matrix.kernel_archive",
+    "glm5_matrix.kernels.kernel_archive",
 )
 
 

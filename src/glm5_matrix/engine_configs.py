@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from glm5_matrix import kernel_cache
-from glm5_matrix.context import LEDGER_VARIABLE, CellContext
 from glm5_matrix.engines import EngineSpec, engine_spec
 from glm5_matrix.errors import UserError
 from glm5_matrix.files import write_json_atomic
-from glm5_matrix.profiles import Profile
+from glm5_matrix.kernels import kernel_cache
+from glm5_matrix.matrix.context import LEDGER_VARIABLE, CellContext
+from glm5_matrix.matrix.profiles import Profile
 
 SERVED_MODEL = "pd-model"  # one name on every PD server, so requests read the same on P and D
 OFFLOAD_CONNECTORS = {"simple": "SimpleCPUOffloadConnector", "offloading": "OffloadingConnector"}
@@ -87,7 +87,7 @@ def offload_spec(cell: CellContext, profile: Profile, cpu_bytes: int) -> EngineS
 
 
 def offload_cpu_bytes(cell: CellContext, profile: Profile) -> int:
-    from glm5_matrix.layout import plan_layout
+    from glm5_matrix.verdicts.layout import plan_layout
 
     plan = plan_layout(profile.config(), tp=cell.tp or 1)
     return plan.offload_bytes(int(profile.section("offload")["cpu_blocks"]))
@@ -97,7 +97,7 @@ def offload_cpu_bytes(cell: CellContext, profile: Profile) -> int:
 
 
 def dflash_drafted_spec(cell: CellContext, profile: Profile, drafter: Any) -> EngineSpec:
-    """test_dflash's engine with the drafter (a glm5_matrix.drafters.Drafter); its target-only
+    """test_dflash's engine with the drafter (a glm5_matrix.models.drafters.Drafter); its target-only
     engine is the plain engine_spec(cell, profile)."""
     return engine_spec(
         cell,
@@ -199,7 +199,7 @@ def for_cell(cell: CellContext, profile: Profile) -> list[Config]:
         return [offload_spec(cell, profile, offload_cpu_bytes(cell, profile))]
     if cell.suite == "dflash":
         from glm5_matrix.cache import models_dir
-        from glm5_matrix.drafters import resolve_drafter
+        from glm5_matrix.models.drafters import resolve_drafter
 
         drafter = resolve_drafter(profile, models_dir())
         return [engine_spec(cell, profile), dflash_drafted_spec(cell, profile, drafter)]

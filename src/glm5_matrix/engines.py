@@ -7,7 +7,7 @@ eager, or compiled with CUDA graphs). It is a context manager that always shuts 
 (vLLM's own shutdown API, then a bounded wait for the child processes it started; any left are
 killed by id and reported).
 
-Every start runs against the kernel cache (glm5_matrix.kernel_cache) and records, beside its
+Every start runs against the kernel cache (glm5_matrix.kernels.kernel_cache) and records, beside its
 seconds to ready, what it compiled: the cache files each library added, and the torch.compile
 seconds vLLM reports. With the kernel guard on, a start that compiled fails naming the files,
 and an engine in compiled mode runs vLLM's jit monitor in error mode (vLLM activates it only
@@ -36,12 +36,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from glm5_matrix import kernel_cache, processes
-from glm5_matrix.compare import GreedyOutput
-from glm5_matrix.context import CellContext
 from glm5_matrix.errors import UserError
-from glm5_matrix.profiles import Profile, load_profile
+from glm5_matrix.kernels import kernel_cache
+from glm5_matrix.machine import processes
+from glm5_matrix.matrix.context import CellContext
+from glm5_matrix.matrix.profiles import Profile, load_profile
 from glm5_matrix.results import record_engine_start
+from glm5_matrix.verdicts.compare import GreedyOutput
 from glm5_matrix.worker_pages import layer_caches
 
 INSECURE_SERIALIZATION = "VLLM_ALLOW_INSECURE_SERIALIZATION"
@@ -92,14 +93,14 @@ def resolve_model(cell: CellContext, profile: Profile) -> tuple[str, dict[str, A
         assert cell.weights.path is not None
         return cell.weights.path, {}
     if "model" in profile.data:  # a generated model (the tiny hybrid)
-        from glm5_matrix.tiny_hybrid import ensure_model
+        from glm5_matrix.models.tiny_hybrid import ensure_model
 
         return str(ensure_model(profile=profile.name)), {}
-    # The profile's config.json with random weights: glm5-random (glm5_matrix.weights) unless
+    # The profile's config.json with random weights: glm5-random (glm5_matrix.models.weights) unless
     # vLLM's plain dummy weights were asked for.
     if not profile.config_path.is_file():
         raise UserError(f"profile {profile.name}: no [model] table and no {profile.config_path}")
-    from glm5_matrix.weights import LOAD_FORMAT
+    from glm5_matrix.models.weights import LOAD_FORMAT
 
     load_format = "dummy" if cell.weights.kind == "dummy" else LOAD_FORMAT
     return str(profile.directory), {"load_format": load_format}

@@ -5,7 +5,7 @@ chosen by the cell's needs (a CPU machine, or N GPUs of compute capability >= X)
 machines (GLM5_MATRIX_STRICT=1: missing hardware fails instead of skipping), its results/
 folder kept as an artifact, the cell's timeout, and a report job after the others. The vLLM
 paths a cell guards select it on a change (Buildkite: each step's if_changed; GitHub: the
-session list job filters through glm5_matrix.guards).
+session list job filters through glm5_matrix.matrix.guards).
 
     glm5-matrix pipeline buildkite [--output FILE]          (nox -s pipeline -- buildkite)
     glm5-matrix pipeline github [--output FILE]             (nox -s pipeline -- github)
@@ -32,7 +32,13 @@ from typing import Any
 
 from glm5_matrix.errors import UserError
 from glm5_matrix.files import write_atomic
-from glm5_matrix.matrix import MATRIX_FILE, Matrix, Variant, load_matrix, parse_compute_capability
+from glm5_matrix.matrix.matrix import (
+    MATRIX_FILE,
+    Matrix,
+    Variant,
+    load_matrix,
+    parse_compute_capability,
+)
 
 KINDS = ("buildkite", "github")
 CPU_QUEUE = "cpu"
@@ -357,7 +363,7 @@ def github_matrix(
     why: a run that tests nothing must not pass."""
     wanted: set[str] | None = None
     if changed:
-        from glm5_matrix.guards import affected, unguarded
+        from glm5_matrix.matrix.guards import affected, unguarded
 
         wanted = {a.variant.id for a in affected(matrix, changed)}
         if not wanted:
@@ -449,7 +455,7 @@ def register(subparsers: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from glm5_matrix.profiles import repo_root
+    from glm5_matrix.matrix.profiles import repo_root
 
     matrix = load_matrix(args.matrix or repo_root() / MATRIX_FILE)
     if args.kind == "check":
@@ -471,7 +477,7 @@ def _run(args: argparse.Namespace) -> int:
     changed = args.changed.split()
     gpu = args.gpu == "true"
     entries = github_matrix(matrix, sessions, changed, gpu=gpu)
-    from glm5_matrix.guards import unguarded
+    from glm5_matrix.matrix.guards import unguarded
 
     for path in unguarded(matrix, changed) if changed else []:
         print(f"no cell guards {path}", file=sys.stderr)

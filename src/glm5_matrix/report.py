@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from glm5_matrix.errors import UserError
-from glm5_matrix.matrix import MATRIX_FILE, Matrix, Variant, load_matrix
+from glm5_matrix.matrix.matrix import MATRIX_FILE, Matrix, Variant, load_matrix
 from glm5_matrix.results import RESULTS_FILE, first_line, results_base
 
 STATUSES = ("passed", "failed", "skipped", "not run", "interrupted")
@@ -495,7 +495,7 @@ def register(subparsers: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from glm5_matrix.profiles import repo_root
+    from glm5_matrix.matrix.profiles import repo_root
 
     results_dir = args.results or results_base(os.environ)
     out = args.output or results_dir / REPORT_DIR

@@ -11,7 +11,7 @@ its noise floor). The plugin files each under the test (or fixture setup) that w
 results.json is rewritten as each test starts and ends and at each engine start, marked `"complete": false`
 with `"ended": {"how": "unfinished", "test": ...}` until pytest ends its session: a run killed
 outright leaves the tests it made and the one it was in. The cell's supervisor
-(glm5_matrix.supervision) then calls record_ending() with what only it knows (the signal that
+(glm5_matrix.machine.supervision) then calls record_ending() with what only it knows (the signal that
 stopped the cell, the test process killed or dead), and keeps junit.xml, marked incomplete, or
 writes one from results.json when pytest could not. A results.json without "complete" (older
 runs) counts as complete.
@@ -49,7 +49,7 @@ class EngineStart:
     label: str
     seconds: float
     test: str | None
-    # What the start compiled (glm5_matrix.kernel_cache.compile_record): "seconds", the
+    # What the start compiled (glm5_matrix.kernels.kernel_cache.compile_record): "seconds", the
     # torch.compile time vLLM reports (null when unknown; the kernel JITs of FlashInfer, Triton,
     # TileLang and DeepGEMM are not timed by their libraries), "entries_added", the kernel files
     # each library's cache gained or rewrote during the start, and "guard", whether the kernel
@@ -123,7 +123,7 @@ def figures() -> list[Figure]:
 def results_base(environ: Mapping[str, str]) -> Path:
     """The folder of the cells' results folders: GLM5_MATRIX_RESULTS, or results/ of the
     checkout."""
-    from glm5_matrix.profiles import repo_root
+    from glm5_matrix.matrix.profiles import repo_root
 
     return Path(environ.get(RESULTS_VARIABLE) or repo_root() / "results")
 
@@ -508,7 +508,7 @@ def summarize(results_dir: Path) -> str:
 
 def pytest_configure(config: Any) -> None:
     """Loaded with `-p glm5_matrix.results` by the runner: record results into the cell's folder."""
-    from glm5_matrix.context import CONTEXT_VARIABLE, current
+    from glm5_matrix.matrix.context import CONTEXT_VARIABLE, current
 
     if not os.environ.get(CONTEXT_VARIABLE):
         return

@@ -6,7 +6,7 @@ own process group so that stopping it also stops vLLM's engine-core and worker p
 a bounded health wait that fails fast (with the log tail) when the process dies, the log in a
 file of the cell's results folder, and PR_SET_PDEATHSIG: a server gets SIGTERM (and shuts its
 engine down) when the test process that started it dies, even by SIGKILL; the cell's supervisor
-(glm5_matrix.supervision) stops whatever is left. Like an Engine, a server runs against the
+(glm5_matrix.machine.supervision) stops whatever is left. Like an Engine, a server runs against the
 kernel cache and records what its start compiled (files added to the library caches from its
 launch until it is healthy; servers launched together see each other's, and the torch.compile
 seconds vLLM logs); with the kernel guard on a start that compiled fails, naming the files.
@@ -34,7 +34,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from glm5_matrix import kernel_cache, processes, results, supervision
+from glm5_matrix import results
+from glm5_matrix.kernels import kernel_cache
+from glm5_matrix.machine import processes, supervision
 
 HOST = "127.0.0.1"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"

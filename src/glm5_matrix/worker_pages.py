@@ -3,7 +3,7 @@
 What a transfer guarantees is a copy: the pages D received for a block must equal, bit for bit,
 the pages P sent for it (NIXL 1P1D), and the GPU pages of a block restored from CPU must equal
 those the cold run wrote (KV offload). This module reads those bytes where they live, in the
-worker, and hands back sha256 digests (small, JSON-safe, exact); glm5_matrix.transfers compares
+worker, and hands back sha256 digests (small, JSON-safe, exact); glm5_matrix.verdicts.transfers compares
 them. Nothing here changes the cache.
 
 Two ways in:

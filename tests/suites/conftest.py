@@ -6,9 +6,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from glm5_matrix import processes
-from glm5_matrix.context import CellContext, current
-from glm5_matrix.profiles import Profile, load_profile
+from glm5_matrix.machine import processes
+from glm5_matrix.matrix.context import CellContext, current
+from glm5_matrix.matrix.profiles import Profile, load_profile
 
 
 @pytest.fixture(scope="session")

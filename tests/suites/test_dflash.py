@@ -21,16 +21,16 @@ from pathlib import Path
 
 import pytest
 
-from glm5_matrix import judging
 from glm5_matrix.cache import models_dir
-from glm5_matrix.compare import GreedyOutput
-from glm5_matrix.context import CellContext
-from glm5_matrix.drafters import Drafter, dflash_table, resolve_drafter
 from glm5_matrix.engine_configs import dflash_drafted_spec
 from glm5_matrix.engines import Engine, engine_spec, layer_specs, random_prompt
-from glm5_matrix.layout import LayoutPlan, plan_layout, text_config
-from glm5_matrix.profiles import Profile
+from glm5_matrix.matrix.context import CellContext
+from glm5_matrix.matrix.profiles import Profile
+from glm5_matrix.models.drafters import Drafter, dflash_table, resolve_drafter
 from glm5_matrix.results import record_figure
+from glm5_matrix.verdicts import judging
+from glm5_matrix.verdicts.compare import GreedyOutput
+from glm5_matrix.verdicts.layout import LayoutPlan, plan_layout, text_config
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("no_surviving_children")]
 

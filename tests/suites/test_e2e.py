@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from glm5_matrix import compare, judging
-from glm5_matrix.context import CellContext
 from glm5_matrix.engine_configs import e2e_specs
 from glm5_matrix.engines import Engine, groups_of, resolve_class, spec_classes, with_other_tokens
-from glm5_matrix.profiles import Profile
+from glm5_matrix.matrix.context import CellContext
+from glm5_matrix.matrix.profiles import Profile
 from glm5_matrix.results import record_figure
+from glm5_matrix.verdicts import compare, judging
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("no_surviving_children")]
 
@@ -138,7 +138,7 @@ def _check_planned_layout(
     """GLM-5.3-Flash: {MLA latent + indexer}, the kpool tail ring, one Mamba group per KDA layer
     sharing the MLA tensor; kinds by class identity; sizes as the layout planner predicts."""
     from glm5_matrix.engines import gpu_family
-    from glm5_matrix.layout import plan_layout
+    from glm5_matrix.verdicts.layout import plan_layout
 
     expect, planned = profile.section("expect"), profile.section("layout")
     limits = engine.scheduler_limits()

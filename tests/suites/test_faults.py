@@ -48,9 +48,10 @@ from typing import Any
 
 import pytest
 
-from glm5_matrix import kill_domain, processes, results, supervision
-from glm5_matrix.context import CellContext
-from glm5_matrix.profiles import repo_root
+from glm5_matrix import results
+from glm5_matrix.machine import kill_domain, processes, supervision
+from glm5_matrix.matrix.context import CellContext
+from glm5_matrix.matrix.profiles import repo_root
 
 POLL_S = 0.25
 START_TIMEOUT_S = 420.0  # from nox's start to the fault (an environment may have to be built)

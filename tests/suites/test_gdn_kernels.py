@@ -37,7 +37,7 @@ from typing import Any
 
 import pytest
 
-from glm5_matrix.profiles import Profile
+from glm5_matrix.matrix.profiles import Profile
 from glm5_matrix.results import record_figure
 
 torch = pytest.importorskip("torch")
@@ -124,7 +124,7 @@ def ops() -> Iterator[Any]:
 @pytest.fixture(scope="module")
 def gdn(profile: Profile) -> Gdn:
     """The profile's linear-attention dimensions; A_log and dt_bias drawn like its weights
-    (glm5_matrix.tiny_hybrid: decay rates in [1, 16], time steps in [1e-3, 1e-1])."""
+    (glm5_matrix.models.tiny_hybrid: decay rates in [1, 16], time steps in [1e-3, 1e-1])."""
     config = profile.section("model")["config"]
     heads = int(config["linear_num_value_heads"])
     assert int(config["linear_num_key_heads"]) == heads, "GQA in the GDN layers: not covered"

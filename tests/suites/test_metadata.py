@@ -5,7 +5,7 @@ sibling group `update_block_table(metadata, its_block_table, ...)` (cross-group 
 A per-group field that update_block_table() does not rewrite stays pointed at the first group:
 vLLM #59536 let every group write its prefill checkpoint into the first group's page. Here, for
 each batch, the reused metadata must equal a fresh build() on the sibling group's block table
-in every field, compared recursively (glm5_matrix.equivalence), so a per-group field added to
+in every field, compared recursively (glm5_matrix.verdicts.equivalence), so a per-group field added to
 vLLM later is covered without being named.
 
 Everything is real vLLM of the cell's environment on a CPU device: the GLM-5.3-Flash ModelConfig
@@ -26,9 +26,9 @@ from typing import Any
 import pytest
 import torch
 
-from glm5_matrix.equivalence import compare, describe
-from glm5_matrix.profiles import Profile
-from glm5_matrix.vllm_layout import gpu_less_vllm_config
+from glm5_matrix.matrix.profiles import Profile
+from glm5_matrix.verdicts.equivalence import compare, describe
+from glm5_matrix.verdicts.vllm_layout import gpu_less_vllm_config
 
 DEVICE = torch.device("cpu")
 # The KDA prefill kernel GLM-5.3-Flash resolves on an H200 (SM90, bf16, head_dim 128, bounded

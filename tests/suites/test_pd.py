@@ -23,12 +23,13 @@ from typing import Any
 
 import pytest
 
-from glm5_matrix import compare, disagg, judging, servers, transfers
-from glm5_matrix.context import CellContext
+from glm5_matrix import disagg, servers
 from glm5_matrix.engine_configs import SERVED_MODEL, pd_role_environment, pd_server_args
 from glm5_matrix.engines import random_prompt, with_other_tokens
-from glm5_matrix.profiles import Profile
+from glm5_matrix.matrix.context import CellContext
+from glm5_matrix.matrix.profiles import Profile
 from glm5_matrix.results import record_figure
+from glm5_matrix.verdicts import compare, judging, transfers
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("no_surviving_children")]
 
@@ -427,7 +428,7 @@ def _other_model(
     NIXL's compatibility hash, whose factors include the model path: that is what this checks.
     """
     if "model" in profile.data:
-        from glm5_matrix.tiny_hybrid import TinyHybridSpec, write_model
+        from glm5_matrix.models.tiny_hybrid import TinyHybridSpec, write_model
 
         spec = TinyHybridSpec.from_profile(profile)
         spec = dataclasses.replace(spec, seed=spec.seed + 1)

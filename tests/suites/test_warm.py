@@ -19,12 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from glm5_matrix import disagg, engine_configs, judging, kernel_cache, servers
-from glm5_matrix.context import CellContext
+from glm5_matrix import disagg, engine_configs, servers
 from glm5_matrix.engine_configs import Config, ServerSpec, WarmLedger, warm_prompts
 from glm5_matrix.engines import Engine, EngineSpec, random_prompt
-from glm5_matrix.profiles import Profile
+from glm5_matrix.kernels import kernel_cache
+from glm5_matrix.matrix.context import CellContext
+from glm5_matrix.matrix.profiles import Profile
 from glm5_matrix.results import record_figure
+from glm5_matrix.verdicts import judging
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("no_surviving_children")]
 

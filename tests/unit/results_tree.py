@@ -11,9 +11,10 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from glm5_matrix import context, results
-from glm5_matrix.matrix import MATRIX_FILE, Matrix, load_matrix
-from glm5_matrix.profiles import repo_root
+from glm5_matrix import results
+from glm5_matrix.matrix import context
+from glm5_matrix.matrix.matrix import MATRIX_FILE, Matrix, load_matrix
+from glm5_matrix.matrix.profiles import repo_root
 
 ROOT = repo_root()
 

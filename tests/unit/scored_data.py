@@ -1,12 +1,12 @@
-"""Hand-made greedy outputs (compare.GreedyOutput) for the unit tests of glm5_matrix.compare and
-glm5_matrix.judging: per-step logits on the bf16 grid, scored as vLLM scores a greedy run."""
+"""Hand-made greedy outputs (compare.GreedyOutput) for the unit tests of glm5_matrix.verdicts.compare and
+glm5_matrix.verdicts.judging: per-step logits on the bf16 grid, scored as vLLM scores a greedy run."""
 
 from __future__ import annotations
 
 import math
 import random
 
-from glm5_matrix import compare
+from glm5_matrix.verdicts import compare
 
 STEP = 2.0**-5  # one bf16 step of logits in [4, 8)
 

@@ -1,6 +1,6 @@
 """`glm5-matrix prune` / `verify` on a synthetic full GLM-5.3-Flash checkpoint (45 layers + MTP).
 
-The source is written by glm5_matrix.synthetic at tiny widths with the published tensor names
+The source is written by glm5_matrix.checkpoints.synthetic at tiny widths with the published tensor names
 and dtypes; every expectation below is derived here from the source itself, read back with
 the `safetensors` library, never from the pruner's own plan.
 """
@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 from safetensors import deserialize, safe_open
 
-from glm5_matrix import checkpoints, synthetic
-from glm5_matrix.checkpoints import copying
+from glm5_matrix import checkpoints
+from glm5_matrix.checkpoints import copying, synthetic
 from glm5_matrix.errors import UserError
 
 SRC_DIR = Path(__file__).resolve().parents[2] / "src"

@@ -1,4 +1,4 @@
-"""glm5_matrix.compare on hand-made data (no vLLM)."""
+"""glm5_matrix.verdicts.compare on hand-made data (no vLLM)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 import pytest
 from scored_data import DECISIVE, STEP, greedy, model_logits, nudged, scored
 
-from glm5_matrix import compare
+from glm5_matrix.verdicts import compare
 
 
 def _state(seed: int, shape: tuple[int, ...]) -> list:

@@ -1,4 +1,4 @@
-"""glm5_matrix.drafters and the planner with a DFlash2 drafter, on the GLM profile (no vLLM)."""
+"""glm5_matrix.models.drafters and the planner with a DFlash2 drafter, on the GLM profile (no vLLM)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from glm5_matrix import drafters
 from glm5_matrix.errors import UserError
-from glm5_matrix.layout import plan_layout, text_config
-from glm5_matrix.profiles import Profile, load_profile
+from glm5_matrix.matrix.profiles import Profile, load_profile
+from glm5_matrix.models import drafters
+from glm5_matrix.verdicts.layout import plan_layout, text_config
 
 PROFILE = "glm-5.3-flash-4l"
 

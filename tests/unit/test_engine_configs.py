@@ -10,11 +10,11 @@ import pytest
 
 from glm5_matrix import engine_configs, engines
 from glm5_matrix.cache import CACHE_VARIABLE
-from glm5_matrix.context import CellContext, for_variant
 from glm5_matrix.engine_configs import ServerSpec, WarmLedger, config_key
 from glm5_matrix.errors import UserError
-from glm5_matrix.profiles import load_profile
-from glm5_matrix.runner import load
+from glm5_matrix.matrix.context import CellContext, for_variant
+from glm5_matrix.matrix.profiles import load_profile
+from glm5_matrix.sessions.runner import load
 
 
 @pytest.fixture(autouse=True)
@@ -25,7 +25,7 @@ def sm90(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 
 
 def _cell(variant_id: str) -> CellContext:
-    from glm5_matrix.context import Weights
+    from glm5_matrix.matrix.context import Weights
 
     return for_variant(load().variant(variant_id), weights=Weights(kind="random"))
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from glm5_matrix.files import write_json_atomic
-from glm5_matrix.profiles import repo_root
+from glm5_matrix.matrix.profiles import repo_root
 
 SCRIPT = repo_root() / "benchmarks" / "engine_start.py"
 

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 
 from glm5_matrix import engines
-from glm5_matrix.context import CellContext, Weights
 from glm5_matrix.errors import UserError
-from glm5_matrix.profiles import load_profile
+from glm5_matrix.matrix.context import CellContext, Weights
+from glm5_matrix.matrix.profiles import load_profile
 
 
 def _step(new=(), cached=(), resumed=()):
@@ -138,7 +138,7 @@ def test_random_prompt_is_reproducible_and_in_the_vocabulary() -> None:
 
 
 def test_jit_monitor_joins_only_where_the_guard_asks_and_the_spec_is_silent(monkeypatch) -> None:
-    from glm5_matrix import kernel_cache
+    from glm5_matrix.kernels import kernel_cache
 
     asked: list[bool] = []
 
@@ -156,7 +156,7 @@ def test_jit_monitor_joins_only_where_the_guard_asks_and_the_spec_is_silent(monk
 
 
 def test_jit_monitor_mode_needs_the_guard(monkeypatch) -> None:
-    from glm5_matrix import kernel_cache
+    from glm5_matrix.kernels import kernel_cache
 
     monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "0")
     assert kernel_cache.jit_monitor_mode(False) is None

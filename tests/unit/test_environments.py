@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from glm5_matrix import environments
+from glm5_matrix.envs import environments
 from glm5_matrix.errors import UserError
-from glm5_matrix.profiles import repo_root
+from glm5_matrix.matrix.profiles import repo_root
 
 ROOT = repo_root()
 

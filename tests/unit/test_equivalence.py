@@ -1,4 +1,4 @@
-"""glm5_matrix.equivalence: the recursive comparison behind the metadata suite."""
+"""glm5_matrix.verdicts.equivalence: the recursive comparison behind the metadata suite."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from glm5_matrix.equivalence import Difference, compare, describe, is_array_like
+from glm5_matrix.verdicts.equivalence import Difference, compare, describe, is_array_like
 
 
 class FakeArray:

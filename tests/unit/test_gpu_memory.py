@@ -1,4 +1,4 @@
-"""glm5_matrix.gpu_memory: nvidia-smi's CSV (files in tests/unit/data, in the format of
+"""glm5_matrix.machine.gpu_memory: nvidia-smi's CSV (files in tests/unit/data, in the format of
 `--query-gpu=index,uuid --format=csv,noheader` and `--query-compute-apps=gpu_uuid,pid,used_memory
 --format=csv,noheader,nounits`), which GPUs are a cell's, and a machine without a driver."""
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from glm5_matrix import gpu_memory
-from glm5_matrix.gpu_memory import Holder
+from glm5_matrix.machine import gpu_memory
+from glm5_matrix.machine.gpu_memory import Holder
 
 DATA = Path(__file__).parent / "data"
 GPU0 = "GPU-3f6c2a91-8d4e-4b7a-a1c5-5e9d0b7f2c18"

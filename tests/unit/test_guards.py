@@ -1,4 +1,4 @@
-"""glm5_matrix.guards and `glm5-matrix affected`: which cells a vLLM change should run."""
+"""glm5_matrix.matrix.guards and `glm5-matrix affected`: which cells a vLLM change should run."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from glm5_matrix import guards
-from glm5_matrix.matrix import MATRIX_FILE, load_matrix
-from glm5_matrix.profiles import repo_root
+from glm5_matrix.matrix import guards
+from glm5_matrix.matrix.matrix import MATRIX_FILE, load_matrix
+from glm5_matrix.matrix.profiles import repo_root
 
 ROOT = repo_root()
 

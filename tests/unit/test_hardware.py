@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from glm5_matrix.errors import UserError
-from glm5_matrix.hardware import (
+from glm5_matrix.machine.hardware import (
     Topology,
     bound_by_visible,
     check,
@@ -18,8 +18,8 @@ from glm5_matrix.hardware import (
     read_topology,
     strict,
 )
-from glm5_matrix.matrix import load_matrix
-from glm5_matrix.profiles import repo_root
+from glm5_matrix.matrix.matrix import load_matrix
+from glm5_matrix.matrix.profiles import repo_root
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""glm5_matrix.judging on hand-made greedy outputs (no vLLM): what each comparison records, and
+"""glm5_matrix.verdicts.judging on hand-made greedy outputs (no vLLM): what each comparison records, and
 that each fails where it must."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import math
 import pytest
 from scored_data import DECISIVE, STEP, greedy, model_logits, nudged, scored
 
-from glm5_matrix import judging, results
+from glm5_matrix import results
+from glm5_matrix.verdicts import judging
 
 TOLERANCES = {"min_distinct_tokens": 4, "min_median_margin_steps": 12, "min_power": 2.0}
 

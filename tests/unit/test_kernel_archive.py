@@ -1,4 +1,4 @@
-"""glm5_matrix.kernel_archive: export and import of a key folder, for real (tar, gzip, zstd,
+"""glm5_matrix.kernels.kernel_archive: export and import of a key folder, for real (tar, gzip, zstd,
 parts), the refusal of an archive built for another machine, the merge and the lock."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from glm5_matrix import kernel_archive, kernel_cache
 from glm5_matrix.errors import UserError
-from glm5_matrix.profiles import repo_root
+from glm5_matrix.kernels import kernel_archive, kernel_cache
+from glm5_matrix.matrix.profiles import repo_root
 
 KEY = {
     "python": "3.12",
@@ -179,7 +179,7 @@ _HOLD_LOCK = """
 import sys, time
 sys.path.insert(0, sys.argv[1])
 from pathlib import Path
-from glm5_matrix.kernel_archive import locked
+from glm5_matrix.kernels.kernel_archive import locked
 with locked(Path(sys.argv[2])):
     print("held", flush=True)
     time.sleep(float(sys.argv[3]))
@@ -223,7 +223,7 @@ def test_two_imports_at_once_both_end_complete(tmp_path: Path) -> None:
     root = tmp_path / "b"
     code = (
         "import sys; sys.path.insert(0, sys.argv[1]); from pathlib import Path; "
-        "from glm5_matrix import kernel_archive, kernel_cache; import json; "
+        "from glm5_matrix.kernels import kernel_archive, kernel_cache; import json; "
         "k = kernel_cache.prepare(kernel_cache.layout(json.loads(sys.argv[3]), "
         "{'GLM5_MATRIX_KERNEL_CACHE': sys.argv[2]})); "
         "kernel_archive.import_archive(Path(sys.argv[4]), k)"

@@ -1,4 +1,4 @@
-"""glm5_matrix.kernel_cache: the key, the layout, the user's own variables, reading an
+"""glm5_matrix.kernels.kernel_cache: the key, the layout, the user's own variables, reading an
 interpreter's versions without importing its packages, telling what was compiled, the guard."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from glm5_matrix import kernel_cache
 from glm5_matrix.cache import CACHE_VARIABLE
+from glm5_matrix.kernels import kernel_cache
 
 KEY = {
     "python": "3.12",

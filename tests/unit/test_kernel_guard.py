@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from glm5_matrix import kernel_cache
+from glm5_matrix.kernels import kernel_cache
 
 pytest_plugins = ("pytester",)
 
@@ -62,7 +62,7 @@ def test_the_guard_fails_what_compiled_naming_the_kernel(
 ) -> None:
     monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "1")
     pytester.makepyfile(test_cell=SUITE)
-    run = pytester.runpytest("-p", "glm5_matrix.kernel_guard", "-rfE")
+    run = pytester.runpytest("-p", "glm5_matrix.kernels.kernel_guard", "-rfE")
     run.assert_outcomes(passed=2, failed=2, errors=1)
     out = run.stdout.str()
     assert "during test_cell.py::test_compiles_during_the_call" in out
@@ -79,7 +79,7 @@ def test_with_the_guard_off_the_same_suite_passes(
     monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "0")
     monkeypatch.setenv("GLM5_MATRIX_STRICT", "1")  # strict, but the guard was turned off
     pytester.makepyfile(test_cell=SUITE)
-    pytester.runpytest("-p", "glm5_matrix.kernel_guard").assert_outcomes(passed=4, failed=1)
+    pytester.runpytest("-p", "glm5_matrix.kernels.kernel_guard").assert_outcomes(passed=4, failed=1)
 
 
 def test_strict_turns_the_guard_on(
@@ -88,6 +88,6 @@ def test_strict_turns_the_guard_on(
     monkeypatch.delenv(kernel_cache.GUARD_VARIABLE, raising=False)
     monkeypatch.setenv("GLM5_MATRIX_STRICT", "1")
     pytester.makepyfile(test_cell=SUITE)
-    pytester.runpytest("-p", "glm5_matrix.kernel_guard").assert_outcomes(
+    pytester.runpytest("-p", "glm5_matrix.kernels.kernel_guard").assert_outcomes(
         passed=2, failed=2, errors=1
     )

@@ -1,4 +1,4 @@
-"""glm5_matrix.kill_domain with real process trees: a test process that starts sleepers, a
+"""glm5_matrix.machine.kill_domain with real process trees: a test process that starts sleepers, a
 grandchild that double-forks away (its parent exits: it is nobody's descendant but a
 subreaper's), and a child in a session of its own; killed through each mechanism this machine
 allows (cgroup v2, the v1 freezer, the subreaper fallback), also when the supervisor, or the
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from polling import wait_for
 
-from glm5_matrix import kill_domain, processes, supervision
 from glm5_matrix.errors import UserError
+from glm5_matrix.machine import kill_domain, processes, supervision
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 
@@ -57,7 +57,8 @@ TREE = textwrap.dedent(
 RUNNER = textwrap.dedent(
     """
     import json, os, subprocess, sys
-    from glm5_matrix import kill_domain, supervision
+    from glm5_matrix.machine import kill_domain
+    from glm5_matrix.machine import supervision
     tree, pids, mechanism, report = sys.argv[1:5]
     domain = kill_domain.create("t", {kill_domain.VARIABLE: mechanism})
     with kill_domain.held(domain) as held:
@@ -130,7 +131,7 @@ def test_the_subreaper_domain_kills_what_came_back_to_it(tmp_path: Path) -> None
     script = textwrap.dedent(
         """
         import json, subprocess, sys, time
-        from glm5_matrix import kill_domain
+        from glm5_matrix.machine import kill_domain
         domain = kill_domain.create("t", {kill_domain.VARIABLE: "subreaper"})
         proc = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]])
         while True:
@@ -172,7 +173,7 @@ def test_sigkill_of_the_supervisor_still_kills_the_whole_tree(
     supervisor = [
         pid
         for pid in processes.live_children(runner.pid)
-        if "glm5_matrix.supervision" in processes.cmdline(pid)
+        if "glm5_matrix.machine.supervision" in processes.cmdline(pid)
     ]
     assert len(supervisor) == 1, supervisor
     os.kill(supervisor[0], signal.SIGKILL)
@@ -199,8 +200,12 @@ def test_the_watchdog_kills_the_tree_when_runner_and_supervisor_are_killed(
     )
     pids = _read_pids(pid_file)
     children = processes.live_children(runner.pid)
-    supervisor = [pid for pid in children if "glm5_matrix.supervision" in processes.cmdline(pid)]
-    watchdog = [pid for pid in children if "glm5_matrix.kill_domain" in processes.cmdline(pid)]
+    supervisor = [
+        pid for pid in children if "glm5_matrix.machine.supervision" in processes.cmdline(pid)
+    ]
+    watchdog = [
+        pid for pid in children if "glm5_matrix.machine.kill_domain" in processes.cmdline(pid)
+    ]
     assert len(supervisor) == 1 and len(watchdog) == 1, children
     watchdog_started = processes.start_time(watchdog[0])
     for pid in (runner.pid, supervisor[0]):  # both at once: neither can stop the cell

@@ -1,4 +1,4 @@
-"""glm5_matrix.known_failures: the registry's parsing, version rule, and the pytest plugin run
+"""glm5_matrix.matrix.known_failures: the registry's parsing, version rule, and the pytest plugin run
 for real (pytester) on a passing and a failing test."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from glm5_matrix import known_failures
 from glm5_matrix.errors import UserError
-from glm5_matrix.profiles import repo_root
+from glm5_matrix.matrix import known_failures
+from glm5_matrix.matrix.profiles import repo_root
 
 pytest_plugins = ("pytester",)
 
@@ -103,7 +103,7 @@ def _run(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, vllm: str, 
     monkeypatch.delenv("GLM5_MATRIX_CONTEXT", raising=False)
     monkeypatch.setattr(known_failures, "_MARKED", {})
     monkeypatch.setattr(known_failures, "_STALE", [])
-    return pytester.runpytest("-p", "glm5_matrix.known_failures", "-rA")
+    return pytester.runpytest("-p", "glm5_matrix.matrix.known_failures", "-rA")
 
 
 def test_plugin_marks_a_known_failure_strict_xfail(pytester, monkeypatch) -> None:

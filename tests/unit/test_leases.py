@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from glm5_matrix import hardware, leases
 from glm5_matrix.errors import UserError
-from glm5_matrix.matrix import load_matrix
-from glm5_matrix.profiles import repo_root
+from glm5_matrix.machine import hardware, leases
+from glm5_matrix.matrix.matrix import load_matrix
+from glm5_matrix.matrix.profiles import repo_root
 
 ROOT = repo_root()
 SRC = str(ROOT / "src")
@@ -187,7 +187,7 @@ HOLDER = textwrap.dedent(
     """
     import json, sys, time
     from pathlib import Path
-    from glm5_matrix import leases
+    from glm5_matrix.machine import leases
     lock_dir, cell, out = sys.argv[1], sys.argv[2], sys.argv[3]
     said = []
     def say(line):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from glm5_matrix.profiles import repo_root
+from glm5_matrix.matrix.profiles import repo_root
 
 ROOT = repo_root()
 pytestmark = pytest.mark.skipif(
@@ -205,7 +205,7 @@ def test_a_kernel_archive_for_another_gpu_is_refused_before_the_suites(tmp_path)
     """The layout cell in an interpreter given as is (nothing built): its kernel cache key is
     this interpreter's with no GPU, so an archive built for sm90 is refused in one line."""
     sys.path.insert(0, str(ROOT / "src"))
-    from glm5_matrix import kernel_archive, kernel_cache
+    from glm5_matrix.kernels import kernel_archive, kernel_cache
 
     key = {**kernel_cache.interpreter_versions(), "gpu_arch": "sm90"}
     source = kernel_cache.prepare(

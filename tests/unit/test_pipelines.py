@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from glm5_matrix import pipeline_checks, pipelines
-from glm5_matrix.matrix import MATRIX_FILE, load_matrix
-from glm5_matrix.profiles import repo_root
+from glm5_matrix.matrix.matrix import MATRIX_FILE, load_matrix
+from glm5_matrix.matrix.profiles import repo_root
 
 ROOT = repo_root()
 SCHEMAS = {"buildkite": "vendor.buildkite", "github": "vendor.github-workflows"}
@@ -369,7 +369,7 @@ def test_every_variable_a_pipeline_sets_is_read_by_the_harness(matrix):
     names = {n for n in names if n.startswith("GLM5_MATRIX_")}
     assert names  # GLM5_MATRIX_STRICT at least
     sources = "".join(
-        p.read_text() for p in (ROOT / "src/glm5_matrix").glob("*.py") if p.name != "pipelines.py"
+        p.read_text() for p in (ROOT / "src/glm5_matrix").rglob("*.py") if p.name != "pipelines.py"
     )
     for name in names:
         assert f'"{name}"' in sources, f"{name} is set by a pipeline and read by nothing"

@@ -16,7 +16,7 @@ import results_tree
 from junitparser import JUnitXml
 
 from glm5_matrix import report, report_html
-from glm5_matrix.profiles import repo_root
+from glm5_matrix.matrix.profiles import repo_root
 
 ROOT = repo_root()
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from glm5_matrix import results
-from glm5_matrix.context import CONTEXT_VARIABLE, CellContext
+from glm5_matrix.matrix.context import CONTEXT_VARIABLE, CellContext
 
 pytest_plugins = ("pytester",)
 SRC = str(Path(results.__file__).resolve().parent.parent)  # for pytest in a subprocess

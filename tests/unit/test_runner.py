@@ -1,4 +1,4 @@
-"""glm5_matrix.runner's own steps that need no environment: a cell starts with an empty results
+"""glm5_matrix.sessions.runner's own steps that need no environment: a cell starts with an empty results
 folder, and its command line runs under the supervisor."""
 
 from __future__ import annotations
@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from glm5_matrix import runner, supervision
+from glm5_matrix.machine import supervision
+from glm5_matrix.sessions import runner
 
 
 def test_a_cell_starts_with_an_empty_results_folder(tmp_path: Path) -> None:
@@ -24,7 +25,7 @@ def test_the_command_runs_under_the_supervisor(tmp_path: Path) -> None:
     assert line == [
         "/venv/bin/python",
         "-m",
-        "glm5_matrix.supervision",
+        "glm5_matrix.machine.supervision",
         "--parent",
         str(os.getpid()),
         "--results",

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from glm5_matrix import processes, results, servers
+from glm5_matrix import results, servers
+from glm5_matrix.machine import processes
 
 
 def _alive(pid: int) -> bool:
@@ -370,7 +371,7 @@ def test_server_devices_outside_the_cell_are_an_error(positions, visible):
 def test_a_server_start_records_what_it_compiled_and_the_guard_fails_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from glm5_matrix import kernel_cache
+    from glm5_matrix.kernels import kernel_cache
 
     monkeypatch.setenv("GLM5_MATRIX_GPUS", "9.0")
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)

@@ -1,4 +1,4 @@
-"""glm5_matrix.supervision with real processes: sleepers, a child that orphans a grandchild, a
+"""glm5_matrix.machine.supervision with real processes: sleepers, a child that orphans a grandchild, a
 process that ignores SIGINT and SIGTERM, a supervisor whose parent is killed outright.
 
 Where the GPU check is driven (test_gpu_*), nvidia-smi is a stand-in script first on PATH that
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from polling import wait_for
 
-from glm5_matrix import processes, supervision
+from glm5_matrix.machine import processes, supervision
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux prctl")
 
@@ -39,7 +39,7 @@ def _supervise(
         [
             sys.executable,
             "-m",
-            "glm5_matrix.supervision",
+            "glm5_matrix.machine.supervision",
             "--results",
             str(tmp_path / "r"),
             *options,
@@ -212,7 +212,7 @@ def test_a_killed_command_is_recorded_with_the_test_it_was_in(tmp_path: Path) ->
 _MIDDLE = textwrap.dedent(
     """
     import subprocess, sys, time
-    from glm5_matrix import supervision
+    from glm5_matrix.machine import supervision
     command = [sys.executable, "-c", sys.argv[2], *sys.argv[3:]]
     subprocess.Popen(supervision.supervised(command, sys.executable, results_dir=sys.argv[1]))
     time.sleep(600)
@@ -260,7 +260,7 @@ def test_die_with_parent_takes_the_command_down_with_its_parent(tmp_path: Path) 
     parent_code = textwrap.dedent(
         """
         import subprocess, sys, time
-        from glm5_matrix import supervision
+        from glm5_matrix.machine import supervision
         command = [sys.executable, "-c", "import time; time.sleep(600)"]
         sleeper = subprocess.Popen(supervision.die_with_parent(command), start_new_session=True)
         open(sys.argv[1], "w").write(str(sleeper.pid))
@@ -282,7 +282,7 @@ def test_die_with_parent_takes_the_command_down_with_its_parent(tmp_path: Path) 
 _FORWARDING = textwrap.dedent(
     """
     import subprocess, sys
-    from glm5_matrix import supervision
+    from glm5_matrix.machine import supervision
     child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]])
     try:
         with supervision.stop_on_signals():
@@ -351,7 +351,7 @@ def _stub_smi(tmp_path: Path, apps: str) -> dict[str, str]:
 
 
 def test_gpu_cell_refuses_to_start_on_a_held_gpu_in_one_line(tmp_path: Path) -> None:
-    pytest.importorskip("glm5_matrix.gpu_memory")
+    pytest.importorskip("glm5_matrix.machine.gpu_memory")
     marker = tmp_path / "ran"
     proc = _supervise(
         [sys.executable, "-c", f"open({str(marker)!r}, 'w')"],
@@ -384,7 +384,7 @@ def test_gpu_cell_starts_when_its_gpu_is_free(tmp_path: Path) -> None:
     assert marker.exists()
 
 
-# --- the nox processes (glm5_matrix.supervision.guard_nox_process) ---------------------------
+# --- the nox processes (glm5_matrix.machine.supervision.guard_nox_process) ---------------------------
 
 # The main nox of `nox -j 2`, in small: two workers in sessions of their own, each with a child
 # in a session of its own too; a worker takes 1 s to stop on SIGTERM, its child one more. None
@@ -409,7 +409,7 @@ _WORKER = textwrap.dedent(
 _MAIN_NOX = textwrap.dedent(
     """
     import subprocess, sys
-    from glm5_matrix import supervision
+    from glm5_matrix.machine import supervision
     supervision.guard_nox_process(["nox", "-j", "2"])
     workers = [subprocess.Popen([sys.executable, "-c", sys.argv[1]], start_new_session=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -453,7 +453,7 @@ def test_a_nox_worker_is_stopped_when_the_main_nox_is_killed(tmp_path: Path) -> 
     worker = textwrap.dedent(
         """
         import signal, sys, time
-        from glm5_matrix import supervision
+        from glm5_matrix.machine import supervision
         signal.signal(signal.SIGTERM, lambda *a: (open(sys.argv[1], "w").write("SIGTERM"),
                                                   sys.exit(143)))
         supervision.guard_nox_process(["nox", "--parallel-worker"])

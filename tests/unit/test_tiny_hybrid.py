@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from glm5_matrix import tiny_hybrid
 from glm5_matrix.errors import UserError
-from glm5_matrix.profiles import Profile, load_profile
+from glm5_matrix.matrix.profiles import Profile, load_profile
+from glm5_matrix.models import tiny_hybrid
 
 
 def _spec(**model_changes: object) -> tiny_hybrid.TinyHybridSpec:

@@ -1,10 +1,10 @@
-"""glm5_matrix.transfers: a transfer is checked page by page, by the bytes' digests."""
+"""glm5_matrix.verdicts.transfers: a transfer is checked page by page, by the bytes' digests."""
 
 from __future__ import annotations
 
 import pytest
 
-from glm5_matrix import transfers
+from glm5_matrix.verdicts import transfers
 
 LAYERS = [["attn.0"], ["gdn.0"], ["gdn.1"]]
 

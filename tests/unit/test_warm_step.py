@@ -1,4 +1,4 @@
-"""glm5_matrix.warm without nox: what `nox -s warm -- ...` selects, what it leaves out and why,
+"""glm5_matrix.sessions.warm without nox: what `nox -s warm -- ...` selects, what it leaves out and why,
 and the per-configuration lines it prints from the warm suite's results."""
 
 from __future__ import annotations
@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from glm5_matrix import hardware, warm
 from glm5_matrix.errors import UserError
-from glm5_matrix.runner import load
+from glm5_matrix.machine import hardware
+from glm5_matrix.sessions import warm
+from glm5_matrix.sessions.runner import load
 
 
 def _ids(variants: list) -> list[str]:

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from glm5_matrix.weights import (
+from glm5_matrix.models.weights import (
     HEAD_GAIN,
     HEAD_ZIPF_EXPONENT,
     LOAD_FORMAT,
@@ -85,7 +85,7 @@ def test_plugin_site_exposes_the_entry_point_vllm_loads(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
     found = dict(json.loads(out.stdout))
-    assert found.get("glm5_matrix_random_weights") == "glm5_matrix.weights:register"
+    assert found.get("glm5_matrix_random_weights") == "glm5_matrix.models.weights:register"
     assert LOAD_FORMAT == "glm5-random"
 
 

@@ -18,9 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from glm5_matrix import compare
-from glm5_matrix.compare import Agreement, NoiseFloor, Scored, TokenAgreement
 from glm5_matrix.results import record_figure
+from glm5_matrix.verdicts import compare
+from glm5_matrix.verdicts.compare import Agreement, NoiseFloor, Scored, TokenAgreement
 
 # Candidates per step kept for the rule (each side's token must be among the other's).
 TOP_LOGPROBS = 5

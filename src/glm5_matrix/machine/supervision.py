@@ -1,7 +1,7 @@
 """Whatever ends a cell, nothing it started outlives it.
 
 The runner runs a cell's test command (pytest, or a lint tool) under a supervisor,
-`python -m glm5_matrix.supervision [options] -- COMMAND...`, started by the cell's own
+`python -m glm5_matrix.machine.supervision [options] -- COMMAND...`, started by the cell's own
 interpreter (nothing but the standard library, and NVML where the cell has it). The supervisor:
 
 - is a child subreaper (prctl PR_SET_CHILD_SUBREAPER): a process whose parent dies (vLLM's
@@ -20,8 +20,8 @@ interpreter (nothing but the standard library, and NVML where the cell has it). 
   supervisor reaps every descendant before it exits;
 - on a GPU cell, says in one line which process already holds memory on the cell's GPUs before
   COMMAND starts (and does not start it), and after the sweep checks that no process of the cell
-  still holds any (glm5_matrix.gpu_memory);
-- starts COMMAND inside the cell's kill domain (glm5_matrix.kill_domain, `--domain`: a cgroup
+  still holds any (glm5_matrix.machine.gpu_memory);
+- starts COMMAND inside the cell's kill domain (glm5_matrix.machine.kill_domain, `--domain`: a cgroup
   of the run's own where the machine allows one), so that after the sweep whatever is still in it
   is frozen and killed at once; the runner kills the domain too once the supervisor's command
   line returns, so SIGKILL of the supervisor itself still takes the whole cell;
@@ -58,8 +58,8 @@ from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 
-from glm5_matrix import kill_domain, processes
 from glm5_matrix.errors import UserError
+from glm5_matrix.machine import kill_domain, processes
 
 PR_SET_PDEATHSIG = 1
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -135,7 +135,7 @@ def supervised(
     """The command line that runs `command` under the supervisor, with the cell's `python`
     (which must import glm5_matrix: the runner puts src/ on its PYTHONPATH); the test process
     joins `domain`, and the supervisor adds itself to the watchdog's `register` file."""
-    line = [str(python), "-m", "glm5_matrix.supervision", "--parent", str(os.getpid())]
+    line = [str(python), "-m", "glm5_matrix.machine.supervision", "--parent", str(os.getpid())]
     if results_dir is not None:
         line += ["--results", str(results_dir)]
     if gpus:
@@ -449,14 +449,14 @@ class Supervisor:
     # --- GPUs ----------------------------------------------------------------------------------
 
     def _gpus(self) -> list[str]:
-        from glm5_matrix import gpu_memory
+        from glm5_matrix.machine import gpu_memory
 
         return gpu_memory.cell_gpus(os.environ, self.gpus)
 
     def _gpus_held_before(self) -> str | None:
         if not self.gpus:
             return None
-        from glm5_matrix import gpu_memory
+        from glm5_matrix.machine import gpu_memory
 
         found = gpu_memory.holders(self._gpus())
         if not found:
@@ -469,7 +469,7 @@ class Supervisor:
     def _gpus_held_after(self) -> str | None:
         if not self.gpus:
             return None
-        from glm5_matrix import gpu_memory
+        from glm5_matrix.machine import gpu_memory
 
         deadline = time.monotonic() + GPU_RELEASE_S
         while True:
@@ -559,7 +559,7 @@ class Supervisor:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m glm5_matrix.supervision",
+        prog="python -m glm5_matrix.machine.supervision",
         description="Run COMMAND; stop and reap everything it starts, whatever ends it.",
     )
     parser.add_argument("--parent", type=int, help="the runner's pid: stop when it is gone")

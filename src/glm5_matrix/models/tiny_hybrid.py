@@ -26,7 +26,7 @@ from typing import Any
 
 from glm5_matrix.cache import ensure_folder, models_dir
 from glm5_matrix.errors import UserError
-from glm5_matrix.profiles import Profile, load_profile
+from glm5_matrix.matrix.profiles import Profile, load_profile
 
 PROFILE = "tiny-hybrid-cpu"
 MANIFEST = "tiny-hybrid.json"
@@ -231,7 +231,7 @@ def _init(name: str, shape: tuple[int, ...], spec: TinyHybridSpec, generator: An
     fan_in = math.prod(shape[1:])
     matrix = torch.randn(shape, generator=generator) * (spec.init_gain / math.sqrt(fan_in))
     if name == "lm_head.weight":
-        from glm5_matrix.weights import head_row_scales
+        from glm5_matrix.models.weights import head_row_scales
 
         matrix *= torch.from_numpy(head_row_scales(shape[0], seed=spec.seed))[:, None]
     return matrix

@@ -4,7 +4,7 @@ vLLM under test predates that release (or no release has the fix yet); from the 
 it runs as a plain test. A strict xfail that passes is reported as "fixed upstream: remove this
 entry", never as a pass.
 
-Loaded into a cell's pytest with `-p glm5_matrix.known_failures` (the runner does it); the
+Loaded into a cell's pytest with `-p glm5_matrix.matrix.known_failures` (the runner does it); the
 matching and version logic is plain Python for the unit tests.
 """
 
@@ -98,7 +98,7 @@ def _entry(path: Path, index: int, raw: Any) -> KnownFailure:
 
 
 def registry_path() -> Path:
-    from glm5_matrix.profiles import repo_root
+    from glm5_matrix.matrix.profiles import repo_root
 
     return repo_root() / REGISTRY_FILE
 
@@ -120,7 +120,7 @@ _MARKED: dict[str, KnownFailure] = {}
 
 
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
-    from glm5_matrix.context import current
+    from glm5_matrix.matrix.context import current
 
     registry = load_registry(registry_path())
     version = installed_vllm_version()

@@ -18,7 +18,7 @@ import subprocess
 from dataclasses import dataclass, field
 
 from glm5_matrix.errors import UserError
-from glm5_matrix.matrix import Cell, parse_compute_capability
+from glm5_matrix.matrix.matrix import Cell, parse_compute_capability
 
 GPUS_VARIABLE = "GLM5_MATRIX_GPUS"
 STRICT_VARIABLE = "GLM5_MATRIX_STRICT"

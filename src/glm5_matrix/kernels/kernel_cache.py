@@ -94,9 +94,9 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from pathlib import Path
 
-from glm5_matrix import hardware
 from glm5_matrix.cache import cache_root
 from glm5_matrix.files import write_json_atomic
+from glm5_matrix.machine import hardware
 
 ROOT_VARIABLE = "GLM5_MATRIX_KERNEL_CACHE"
 # The key folder in use, set with the library variables: whoever finds it set does not
@@ -281,7 +281,7 @@ def prepare(kernels: KernelCache) -> KernelCache:
 
 _PROBE = (
     "import json, sys; sys.path.insert(0, sys.argv[1]); "
-    "from glm5_matrix.kernel_cache import interpreter_versions; "
+    "from glm5_matrix.kernels.kernel_cache import interpreter_versions; "
     "print(json.dumps(interpreter_versions()))"
 )
 
@@ -290,7 +290,7 @@ def probe(python: str | Path, environ: Mapping[str, str] | None = None) -> dict[
     """interpreter_versions() as the interpreter `python` sees them (a subprocess)."""
     from glm5_matrix.errors import UserError
 
-    source = str(Path(__file__).resolve().parents[1])
+    source = str(Path(__file__).resolve().parents[2])
     try:
         done = subprocess.run(
             [str(python), "-c", _PROBE, source],

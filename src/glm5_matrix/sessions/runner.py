@@ -3,9 +3,9 @@
 The noxfile calls run_variant() from every cell session; this is the one helper behind them.
 Order matters for GPU minutes and for honest skips: the model source (and a named drafter) and
 the hardware are checked before any environment is built. The cell's results folder is emptied
-before it starts, and its commands run under glm5_matrix.supervision, which stops everything they
+before it starts, and its commands run under glm5_matrix.machine.supervision, which stops everything they
 start whatever ends the cell and records how the run ended. A GPU cell leases its GPUs
-(glm5_matrix.leases) before its environment is built and holds them until its last process is
+(glm5_matrix.machine.leases) before its environment is built and holds them until its last process is
 gone; its processes see only those GPUs.
 """
 
@@ -21,23 +21,16 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from glm5_matrix import context as cell_context
-from glm5_matrix import (
-    drafters,
-    environments,
-    hardware,
-    kernel_archive,
-    kernel_cache,
-    kill_domain,
-    leases,
-    results,
-    supervision,
-    weights,
-)
+from glm5_matrix import results
+from glm5_matrix.envs import environments
 from glm5_matrix.errors import UserError
 from glm5_matrix.files import write_json_atomic
-from glm5_matrix.matrix import MATRIX_FILE, Matrix, Variant, load_matrix
-from glm5_matrix.profiles import load_profile, repo_root
+from glm5_matrix.kernels import kernel_archive, kernel_cache
+from glm5_matrix.machine import hardware, kill_domain, leases, supervision
+from glm5_matrix.matrix import context as cell_context
+from glm5_matrix.matrix.matrix import MATRIX_FILE, Matrix, Variant, load_matrix
+from glm5_matrix.matrix.profiles import load_profile, repo_root
+from glm5_matrix.models import drafters, weights
 
 VENVS_VARIABLE = "GLM5_MATRIX_VENVS"
 # Suites that load model weights; the others read the profile's config only.
@@ -294,9 +287,9 @@ def _run_leased(
         "-p",
         "glm5_matrix.results",
         "-p",
-        "glm5_matrix.known_failures",
+        "glm5_matrix.matrix.known_failures",
         "-p",
-        "glm5_matrix.kernel_guard",
+        "glm5_matrix.kernels.kernel_guard",
         f"--junitxml={out / results.JUNIT_FILE}",
         *options.pytest_args,
     ]
@@ -321,7 +314,7 @@ def _run_leased(
 def cell_domain(
     session: Any, variant: Variant, out: Path | None = None
 ) -> Iterator[kill_domain.Held]:
-    """The kill domain of one supervised command (glm5_matrix.kill_domain). When the command
+    """The kill domain of one supervised command (glm5_matrix.machine.kill_domain). When the command
     line returns, however it ended, whatever is left in the domain is killed; when that is
     because the supervisor itself died (no record of how the run ended), the record says so."""
     started = time.monotonic()

@@ -1,4 +1,4 @@
-"""The kernel guard as a pytest plugin (`-p glm5_matrix.kernel_guard`, loaded by the runner).
+"""The kernel guard as a pytest plugin (`-p glm5_matrix.kernels.kernel_guard`, loaded by the runner).
 
 With the guard on (GLM5_MATRIX_KERNEL_GUARD=1, or GLM5_MATRIX_STRICT=1 unless the guard is set
 to 0), a test phase (setup, call, teardown) that passed is turned into a failure when a
@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from glm5_matrix import kernel_cache
+from glm5_matrix.kernels import kernel_cache
 
 _WHERE = {"setup": "setup of {}", "call": "{}", "teardown": "teardown of {}"}
 

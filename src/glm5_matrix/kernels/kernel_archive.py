@@ -45,9 +45,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from glm5_matrix import kernel_cache
 from glm5_matrix.errors import UserError
-from glm5_matrix.kernel_cache import LIBRARIES, KernelCache
+from glm5_matrix.kernels import kernel_cache
+from glm5_matrix.kernels.kernel_cache import LIBRARIES, KernelCache
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -468,7 +468,7 @@ def _merge(source: Path, target: Path) -> int:
 
 
 def _interpreter(args: argparse.Namespace) -> str:
-    from glm5_matrix.environments import PYTHON_VARIABLE
+    from glm5_matrix.envs.environments import PYTHON_VARIABLE
 
     return str(args.python or os.environ.get(PYTHON_VARIABLE) or sys.executable)
 

@@ -59,7 +59,7 @@ QUERY_GAIN = 8.0
 QUERY_NORMS = ("q_a_layernorm",)
 PLUGIN_GROUP = "vllm.general_plugins"
 PLUGIN_NAME = "glm5_matrix_random_weights"
-PLUGIN_TARGET = "glm5_matrix.weights:register"
+PLUGIN_TARGET = "glm5_matrix.models.weights:register"
 
 
 @dataclass(frozen=True)

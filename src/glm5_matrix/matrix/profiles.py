@@ -18,7 +18,7 @@ from glm5_matrix.errors import UserError, load_toml
 def repo_root() -> Path:
     """The checkout holding matrix.toml, envs/ and profiles/ (GLM5_MATRIX_ROOT overrides)."""
     override = os.environ.get("GLM5_MATRIX_ROOT")
-    return Path(override) if override else Path(__file__).resolve().parents[2]
+    return Path(override) if override else Path(__file__).resolve().parents[3]
 
 
 def profiles_dir() -> Path:

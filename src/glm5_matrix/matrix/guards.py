@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from glm5_matrix.errors import UserError
-from glm5_matrix.matrix import MATRIX_FILE, Matrix, Variant, load_matrix
+from glm5_matrix.matrix.matrix import MATRIX_FILE, Matrix, Variant, load_matrix
 
 # `git diff` without --no-prefix names the two sides a/PATH and b/PATH; vLLM has no such folders.
 GIT_PREFIXES = ("a/", "b/")
@@ -111,7 +111,7 @@ def register(subparsers: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from glm5_matrix.profiles import repo_root
+    from glm5_matrix.matrix.profiles import repo_root
 
     matrix = load_matrix(args.matrix or repo_root() / MATRIX_FILE)
     changed: list[str] = []

@@ -1,7 +1,7 @@
 """Which processes hold memory on which GPUs: NVML (nvidia-ml-py, where the interpreter has it,
 as vLLM's CUDA build does) or, without it, nvidia-smi.
 
-The supervisor (glm5_matrix.supervision) asks on GPU cells: before the test command starts, a GPU
+The supervisor (glm5_matrix.machine.supervision) asks on GPU cells: before the test command starts, a GPU
 of the cell that another process already holds is named in one line (pid, memory) instead of
 failing later with an allocation error; after the cell's processes are stopped, none of them may
 still hold memory. Without NVML and nvidia-smi there is nothing to ask and holders() says so

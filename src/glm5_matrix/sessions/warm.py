@@ -23,11 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from glm5_matrix import hardware, kernel_archive, kernel_cache, results, runner
-from glm5_matrix.context import LEDGER_VARIABLE
+from glm5_matrix import results
 from glm5_matrix.errors import UserError
-from glm5_matrix.matrix import ENGINE_SUITES, Matrix, Variant
+from glm5_matrix.kernels import kernel_archive, kernel_cache
+from glm5_matrix.machine import hardware
+from glm5_matrix.matrix.context import LEDGER_VARIABLE
+from glm5_matrix.matrix.matrix import ENGINE_SUITES, Matrix, Variant
 from glm5_matrix.results import RESULTS_FILE
+from glm5_matrix.sessions import runner
 
 WARM_SUITE = "tests/suites/test_warm.py"
 NOT_CACHED = (

@@ -45,9 +45,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from glm5_matrix import hardware
 from glm5_matrix.errors import UserError
-from glm5_matrix.matrix import Cell, Variant, parse_compute_capability
+from glm5_matrix.machine import hardware
+from glm5_matrix.matrix.matrix import Cell, Variant, parse_compute_capability
 
 LEASE_DIR_VARIABLE = "GLM5_MATRIX_LEASE_DIR"
 LEASE_TIMEOUT_VARIABLE = "GLM5_MATRIX_LEASE_TIMEOUT"

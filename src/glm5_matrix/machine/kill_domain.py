@@ -22,9 +22,9 @@ A mechanism counts only after a probe: a short-lived process is moved into the n
 killed through it; a step that fails picks the next mechanism. GLM5_MATRIX_KILL_DOMAIN names
 one (``cgroup-v2``, ``cgroup-v1-freezer``, ``subreaper``) or ``auto`` (the default).
 
-Who stops the domain: the supervisor, after its teardown (glm5_matrix.supervision); the runner,
+Who stops the domain: the supervisor, after its teardown (glm5_matrix.machine.supervision); the runner,
 when the supervisor's command line returns, however it ended (a SIGKILL of the supervisor
-included); and a watchdog (``python -m glm5_matrix.kill_domain watch``) that the runner starts in
+included); and a watchdog (``python -m glm5_matrix.machine.kill_domain watch``) that the runner starts in
 a session of its own, which stops the domain once the runner and the supervisor are both gone.
 Any one of the three is enough. Stopping is idempotent and removes the cgroup.
 """
@@ -44,8 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from glm5_matrix import processes
 from glm5_matrix.errors import UserError
+from glm5_matrix.machine import processes
 
 VARIABLE = "GLM5_MATRIX_KILL_DOMAIN"
 CGROUP_V2, CGROUP_V1, SUBREAPER = "cgroup-v2", "cgroup-v1-freezer", "subreaper"
@@ -343,7 +343,7 @@ def watch_command(domain: Domain, runner: int, python: str | Path, register: Pat
     return [
         str(python),
         "-m",
-        "glm5_matrix.kill_domain",
+        "glm5_matrix.machine.kill_domain",
         "watch",
         domain.argument(),
         "--pid",
@@ -358,7 +358,7 @@ def start_watchdog(domain: Domain, register: Path) -> subprocess.Popen[bytes] | 
     processes it would watch) in a session of its own, so no process group signal reaches it."""
     if not domain.is_cgroup:
         return None
-    src = str(Path(__file__).resolve().parent.parent)
+    src = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
     return subprocess.Popen(
@@ -441,7 +441,7 @@ def held(domain: Domain) -> Iterator[Held]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m glm5_matrix.kill_domain")
+    parser = argparse.ArgumentParser(prog="python -m glm5_matrix.machine.kill_domain")
     sub = parser.add_subparsers(dest="action", required=True)
     watcher = sub.add_parser("watch", help="stop DOMAIN once every watched process is gone")
     watcher.add_argument("domain")

@@ -10,7 +10,7 @@ a wheel file, or a local source checkout. GLM5_MATRIX_PYTHON names an interprete
 holds the environment (an offline bundle on an air-gapped runner): nothing is built then.
 
 uv reads a definition's requirements as a generated pyproject.toml, so that a torch PyPI does not
-carry (`[torch_index]`) is pinned to the one source glm5_matrix.torch_source chooses; that choice
+carry (`[torch_index]`) is pinned to the one source glm5_matrix.envs.torch_source chooses; that choice
 is made, and checked with uv, before anything is built.
 """
 
@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from glm5_matrix import torch_source
+from glm5_matrix.envs import torch_source
+from glm5_matrix.envs.torch_source import TorchPin, TorchSource
 from glm5_matrix.errors import UserError, load_toml
 from glm5_matrix.files import write_atomic
-from glm5_matrix.torch_source import TorchPin, TorchSource
 
 ENVS_DIR = "envs"
 CONSTRAINTS_DIR = "constraints"

@@ -345,7 +345,7 @@ def register(subparsers: Any) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     if args.profile is not None:
-        from glm5_matrix.profiles import load_profile
+        from glm5_matrix.matrix.profiles import load_profile
 
         config = load_profile(args.profile).config()
     else:
