@@ -41,7 +41,7 @@ from glm5_matrix.kernels import kernel_cache
 from glm5_matrix.machine import processes
 from glm5_matrix.matrix.context import CellContext
 from glm5_matrix.matrix.profiles import Profile, load_profile
-from glm5_matrix.results import record_engine_start
+from glm5_matrix.results.recorder import record_engine_start
 from glm5_matrix.verdicts.compare import GreedyOutput
 from glm5_matrix.worker_pages import layer_caches
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from glm5_matrix.errors import UserError
 from glm5_matrix.matrix.matrix import MATRIX_FILE, Matrix, Variant, load_matrix
-from glm5_matrix.results import RESULTS_FILE, first_line, results_base
+from glm5_matrix.results.schema import RESULTS_FILE, first_line, results_base
 
 STATUSES = ("passed", "failed", "skipped", "not run", "interrupted")
 FAILED_OUTCOMES = ("failed", "error", "xpassed")

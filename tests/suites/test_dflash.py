@@ -27,7 +27,7 @@ from glm5_matrix.engines import Engine, engine_spec, layer_specs, random_prompt
 from glm5_matrix.matrix.context import CellContext
 from glm5_matrix.matrix.profiles import Profile
 from glm5_matrix.models.drafters import Drafter, dflash_table, resolve_drafter
-from glm5_matrix.results import record_figure
+from glm5_matrix.results.recorder import record_figure
 from glm5_matrix.verdicts import judging
 from glm5_matrix.verdicts.compare import GreedyOutput
 from glm5_matrix.verdicts.layout import LayoutPlan, plan_layout, text_config

@@ -14,7 +14,7 @@ from glm5_matrix.engine_configs import e2e_specs
 from glm5_matrix.engines import Engine, groups_of, resolve_class, spec_classes, with_other_tokens
 from glm5_matrix.matrix.context import CellContext
 from glm5_matrix.matrix.profiles import Profile
-from glm5_matrix.results import record_figure
+from glm5_matrix.results.recorder import record_figure
 from glm5_matrix.verdicts import compare, judging
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("no_surviving_children")]

@@ -48,10 +48,10 @@ from typing import Any
 
 import pytest
 
-from glm5_matrix import results
 from glm5_matrix.machine import kill_domain, processes, supervision
 from glm5_matrix.matrix.context import CellContext
 from glm5_matrix.matrix.profiles import repo_root
+from glm5_matrix.results import recorder
 
 POLL_S = 0.25
 START_TIMEOUT_S = 420.0  # from nox's start to the fault (an environment may have to be built)
@@ -473,19 +473,19 @@ def test_fault_leaves_nothing_behind(fault: Fault, subreaper: None, runs_dir: Pa
             later = run.survivors()
         # What is judged: at exit, or (a SIGKILLed nox) AFTER_EXIT_S later.
         judged, ports = (later, run.ports_listening()) if fault.settle else (survivors, ports)
-        results.record_figure(
+        recorder.record_figure(
             f"faults.{fault.id}.survivors",
             len(survivors),
             limit=None if fault.settle else 0,
             relation=None if fault.settle else "==",
         )
-        results.record_figure(
+        recorder.record_figure(
             f"faults.{fault.id}.survivors_after_10s", len(later), limit=0, relation="=="
         )
-        results.record_figure(f"faults.{fault.id}.ports_seen", sorted(run.ports))
-        results.record_figure(f"faults.{fault.id}.ports_listening", ports, limit=[], relation="==")
-        results.record_figure(f"faults.{fault.id}.nox_exit_status", code)
-        results.record_figure(
+        recorder.record_figure(f"faults.{fault.id}.ports_seen", sorted(run.ports))
+        recorder.record_figure(f"faults.{fault.id}.ports_listening", ports, limit=[], relation="==")
+        recorder.record_figure(f"faults.{fault.id}.nox_exit_status", code)
+        recorder.record_figure(
             f"faults.{fault.id}.exit_seconds",
             None if run.exit_seconds is None else round(run.exit_seconds, 1),
             unit="s",

@@ -38,7 +38,7 @@ from typing import Any
 import pytest
 
 from glm5_matrix.matrix.profiles import Profile
-from glm5_matrix.results import record_figure
+from glm5_matrix.results.recorder import record_figure
 
 torch = pytest.importorskip("torch")
 

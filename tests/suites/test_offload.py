@@ -18,7 +18,7 @@ from glm5_matrix.engine_configs import offload_cpu_bytes, offload_spec
 from glm5_matrix.engines import Engine, groups_of, resolve_class, with_other_tokens
 from glm5_matrix.matrix.context import CellContext
 from glm5_matrix.matrix.profiles import Profile
-from glm5_matrix.results import record_figure
+from glm5_matrix.results.recorder import record_figure
 from glm5_matrix.verdicts import judging, transfers
 from glm5_matrix.verdicts.layout import LayoutPlan, plan_layout
 

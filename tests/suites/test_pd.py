@@ -28,7 +28,7 @@ from glm5_matrix.engine_configs import SERVED_MODEL, pd_role_environment, pd_ser
 from glm5_matrix.engines import random_prompt, with_other_tokens
 from glm5_matrix.matrix.context import CellContext
 from glm5_matrix.matrix.profiles import Profile
-from glm5_matrix.results import record_figure
+from glm5_matrix.results.recorder import record_figure
 from glm5_matrix.verdicts import compare, judging, transfers
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("no_surviving_children")]

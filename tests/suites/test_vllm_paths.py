@@ -9,7 +9,7 @@ from pathlib import Path
 
 from glm5_matrix.matrix.matrix import MATRIX_FILE, load_matrix
 from glm5_matrix.matrix.profiles import repo_root
-from glm5_matrix.results import record_figure
+from glm5_matrix.results.recorder import record_figure
 
 
 def test_every_guarded_path_exists_in_the_installed_vllm() -> None:

@@ -25,7 +25,7 @@ from glm5_matrix.engines import Engine, EngineSpec, random_prompt
 from glm5_matrix.kernels import kernel_cache
 from glm5_matrix.matrix.context import CellContext
 from glm5_matrix.matrix.profiles import Profile
-from glm5_matrix.results import record_figure
+from glm5_matrix.results.recorder import record_figure
 from glm5_matrix.verdicts import judging
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("no_surviving_children")]

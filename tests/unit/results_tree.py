@@ -11,16 +11,16 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from glm5_matrix import results
 from glm5_matrix.matrix import context
 from glm5_matrix.matrix.matrix import MATRIX_FILE, Matrix, load_matrix
 from glm5_matrix.matrix.profiles import repo_root
+from glm5_matrix.results import closing
 
 ROOT = repo_root()
 
 SUITE = """
 import pytest
-from glm5_matrix.results import record_engine_start, record_figure
+from glm5_matrix.results.recorder import record_engine_start, record_figure
 
 def test_kv_layout():
     record_engine_start("engine:tiny", 21.5)
@@ -83,7 +83,7 @@ def _run_suite(base: Path, variant_id: str, source: str, work: Path) -> None:
             "-p",
             "no:cacheprovider",
             "-p",
-            "glm5_matrix.results",
+            "glm5_matrix.results.recorder",
             f"--junitxml={out / 'junit.xml'}",
             "tests/suites/test_demo.py",
         ],
@@ -104,7 +104,7 @@ def build(base: Path, work: Path) -> Path:
     m = matrix()
     lint = base / "lint"
     lint.mkdir()
-    recorded = results.CommandResults(lint, asdict(context.for_variant(m.variant("lint"))))
+    recorded = closing.CommandResults(lint, asdict(context.for_variant(m.variant("lint"))))
     with recorded.command(["ruff", "check", "."]):
         pass
     try:
@@ -114,7 +114,7 @@ def build(base: Path, work: Path) -> Path:
         pass
     skipped = base / "e2e-tp1-deep_gemm"
     skipped.mkdir()
-    results.write_skip(
+    closing.write_skip(
         skipped,
         asdict(context.for_variant(m.variant("e2e-tp1(deep_gemm)"))),
         "e2e-tp1 needs 1 GPU(s) with compute capability >= 9.0; found no GPU",

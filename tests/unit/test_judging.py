@@ -8,7 +8,7 @@ import math
 import pytest
 from scored_data import DECISIVE, STEP, greedy, model_logits, nudged, scored
 
-from glm5_matrix import results
+from glm5_matrix.results import recorder
 from glm5_matrix.verdicts import judging
 
 TOLERANCES = {"min_distinct_tokens": 4, "min_median_margin_steps": 12, "min_power": 2.0}
@@ -16,11 +16,11 @@ TOLERANCES = {"min_distinct_tokens": 4, "min_median_margin_steps": 12, "min_powe
 
 @pytest.fixture(autouse=True)
 def fresh_figures(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(results, "_STATE", results._State())
+    monkeypatch.setattr(recorder, "_STATE", recorder._State())
 
 
-def _figures() -> dict[str, results.Figure]:
-    return {f.name: f for f in results.figures()}
+def _figures() -> dict[str, recorder.Figure]:
+    return {f.name: f for f in recorder.figures()}
 
 
 def _reference(runs: int = 4) -> tuple[list[list[float]], list]:

@@ -1,4 +1,4 @@
-"""glm5_matrix.results: the per-cell results plugin run for real (pytester) on tests that pass,
+"""glm5_matrix.results.recorder: the per-cell results plugin run for real (pytester) on tests that pass,
 fail, skip and record figures; what results.json then holds."""
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from glm5_matrix import results
 from glm5_matrix.matrix.context import CONTEXT_VARIABLE, CellContext
+from glm5_matrix.results import closing, recorder, schema
 
 pytest_plugins = ("pytester",)
-SRC = str(Path(results.__file__).resolve().parent.parent)  # for pytest in a subprocess
+SRC = str(Path(recorder.__file__).resolve().parents[2])  # for pytest in a subprocess
 
 SUITE = """
 import pytest
-from glm5_matrix.results import record_figure, record_engine_start
+from glm5_matrix.results.recorder import record_figure, record_engine_start
 
 def test_measures():
     record_engine_start("engine:x", 1.234)
@@ -60,11 +60,11 @@ def test_results_json_holds_outcomes_starts_and_figures(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setenv(CONTEXT_VARIABLE, str(_context(tmp_path)))
-    monkeypatch.setattr(results, "_STATE", results._State())
+    monkeypatch.setattr(recorder, "_STATE", recorder._State())
     pytester.makepyfile(test_cell=SUITE)
-    run = pytester.runpytest("-p", "glm5_matrix.results")
+    run = pytester.runpytest("-p", "glm5_matrix.results.recorder")
     run.assert_outcomes(passed=1, failed=1, skipped=1, xfailed=1)
-    data = json.loads((tmp_path / "results" / results.RESULTS_FILE).read_text())
+    data = json.loads((tmp_path / "results" / schema.RESULTS_FILE).read_text())
     assert data["outcomes"] == {"passed": 1, "failed": 1, "skipped": 1, "xfailed": 1}
     assert data["exit_status"] == 1
     assert data["complete"] is True and data["ended"]["how"] == "finished"
@@ -88,20 +88,20 @@ def test_results_json_holds_outcomes_starts_and_figures(
     assert failed["message"] == "AssertionError: planted"
     assert "message" not in data["tests"]["test_cell.py::test_measures"]
     assert data["tests"]["test_cell.py::test_known"]["reason"] == "known upstream"
-    summary = results.summarize(tmp_path / "results")
+    summary = closing.summarize(tmp_path / "results")
     assert "1 failed, 1 passed, 1 skipped" in summary
     assert "2 engine start(s) (3 s, 2 kernel file(s) compiled)" in summary
 
 
 def test_a_relation_that_means_nothing_is_refused() -> None:
     with pytest.raises(ValueError, match="relation"):
-        results.record_figure("x", 1, limit=2, relation="~")
+        recorder.record_figure("x", 1, limit=2, relation="~")
 
 
 # A test process killed outright (here: by itself) mid-test, as the OOM killer would.
 KILLED = """
 import os, signal
-from glm5_matrix.results import record_engine_start
+from glm5_matrix.results.recorder import record_engine_start
 
 def test_first():
     pass
@@ -121,9 +121,9 @@ def test_a_killed_run_leaves_the_tests_it_made_and_the_one_it_was_in(
     monkeypatch.setenv(CONTEXT_VARIABLE, str(_context(tmp_path)))
     monkeypatch.setenv("PYTHONPATH", SRC)
     pytester.makepyfile(test_cell=KILLED)
-    run = pytester.runpytest_subprocess("-p", "glm5_matrix.results")
+    run = pytester.runpytest_subprocess("-p", "glm5_matrix.results.recorder")
     assert run.ret == -9
-    data = json.loads((tmp_path / "results" / results.RESULTS_FILE).read_text())
+    data = json.loads((tmp_path / "results" / schema.RESULTS_FILE).read_text())
     assert data["complete"] is False
     assert data["ended"]["how"] == "unfinished"
     assert data["ended"]["test"] == "test_cell.py::test_killed"
@@ -133,14 +133,14 @@ def test_a_killed_run_leaves_the_tests_it_made_and_the_one_it_was_in(
     assert "test_cell.py::test_never_run" not in data["tests"]
     assert data["engine_starts"][0]["label"] == "engine:y"  # written as it happened
     # What the cell's supervisor then adds.
-    junit = tmp_path / "results" / results.JUNIT_FILE
-    ended = results.ending("killed", "the test process (pid 1) was killed by SIGKILL", "SIGKILL")
-    results.record_ending(tmp_path / "results", ended, 137, 3.0, junit=junit)
-    data = json.loads((tmp_path / "results" / results.RESULTS_FILE).read_text())
+    junit = tmp_path / "results" / schema.JUNIT_FILE
+    ended = schema.ending("killed", "the test process (pid 1) was killed by SIGKILL", "SIGKILL")
+    closing.record_ending(tmp_path / "results", ended, 137, 3.0, junit=junit)
+    data = json.loads((tmp_path / "results" / schema.RESULTS_FILE).read_text())
     assert data["ended"]["test"] == "test_cell.py::test_killed"  # kept from the run's record
     assert data["outcomes"] == {"passed": 1, "interrupted": 1}
     assert data["exit_status"] == 137
-    line = results.summarize(tmp_path / "results")
+    line = closing.summarize(tmp_path / "results")
     assert line.startswith(
         "INCOMPLETE, the test process was killed by SIGKILL during test_cell.py::test_killed: "
         "of the tests that ran: 1 interrupted, 1 passed;"
@@ -171,47 +171,47 @@ def test_an_interrupted_run_says_so_and_its_junit_is_marked(
 ) -> None:
     monkeypatch.setenv(CONTEXT_VARIABLE, str(_context(tmp_path)))
     monkeypatch.setenv("PYTHONPATH", SRC)
-    junit = tmp_path / "results" / results.JUNIT_FILE
+    junit = tmp_path / "results" / schema.JUNIT_FILE
     pytester.makepyfile(test_cell=INTERRUPTED)
-    run = pytester.runpytest_subprocess("-p", "glm5_matrix.results", f"--junitxml={junit}")
+    run = pytester.runpytest_subprocess("-p", "glm5_matrix.results.recorder", f"--junitxml={junit}")
     assert run.ret == 2
-    data = json.loads((tmp_path / "results" / results.RESULTS_FILE).read_text())
+    data = json.loads((tmp_path / "results" / schema.RESULTS_FILE).read_text())
     assert data["complete"] is False
     assert data["ended"]["how"] == "signal" and data["ended"]["signal"] == "SIGINT"
     assert data["ended"]["test"] == "test_cell.py::test_interrupted"
     assert data["outcomes"] == {"passed": 1, "interrupted": 1}
     # The supervisor knows more: the cell got SIGTERM, and asked pytest to stop with SIGINT.
-    ended = results.ending("signal", "SIGTERM to the cell", "SIGTERM")
-    results.record_ending(tmp_path / "results", ended, 143, 1.0, junit=junit)
-    results.record_ending(tmp_path / "results", ended, 143, 1.0, junit=junit)  # idempotent
+    ended = schema.ending("signal", "SIGTERM to the cell", "SIGTERM")
+    closing.record_ending(tmp_path / "results", ended, 143, 1.0, junit=junit)
+    closing.record_ending(tmp_path / "results", ended, 143, 1.0, junit=junit)  # idempotent
     text = junit.read_text()
     assert text.count("glm5-matrix.complete") == 1
     assert 'message="stopped by SIGTERM during test_cell.py::test_interrupted"' in text
     assert 'name="test_first"' in text  # pytest's own record is kept
-    assert results.summarize(tmp_path / "results").startswith(
+    assert closing.summarize(tmp_path / "results").startswith(
         "INCOMPLETE, stopped by SIGTERM during test_cell.py::test_interrupted: of the tests "
         "that ran: 1 interrupted, 1 passed;"
     )
 
 
 def test_a_run_that_recorded_nothing_says_so(tmp_path: Path) -> None:
-    assert results.summarize(tmp_path).endswith("this run recorded no results")
+    assert closing.summarize(tmp_path).endswith("this run recorded no results")
     # A folder whose results.json lacks "complete" (an older run) counts as complete.
-    (tmp_path / results.RESULTS_FILE).write_text(
+    (tmp_path / schema.RESULTS_FILE).write_text(
         json.dumps({"outcomes": {"passed": 2}, "engine_starts": [], "wall_seconds": 3})
     )
-    assert results.summarize(tmp_path).startswith("2 passed;")
+    assert closing.summarize(tmp_path).startswith("2 passed;")
 
 
 def test_an_ending_must_be_known() -> None:
     with pytest.raises(ValueError, match="ending"):
-        results.ending("vanished", "?")
+        schema.ending("vanished", "?")
 
 
 def test_first_line() -> None:
-    assert results.first_line("\n  AssertionError: x\nmore") == "AssertionError: x"
-    assert results.first_line("") == ""
-    assert len(results.first_line("y" * 1000)) == 300
+    assert schema.first_line("\n  AssertionError: x\nmore") == "AssertionError: x"
+    assert schema.first_line("") == ""
+    assert len(schema.first_line("y" * 1000)) == 300
 
 
 def _ctx() -> dict:
@@ -220,10 +220,10 @@ def _ctx() -> dict:
 
 def test_a_preflight_skip_is_recorded_and_clears_the_old_run(tmp_path: Path) -> None:
     (tmp_path / "junit.xml").write_text("<testsuites/>")  # an earlier run's
-    (tmp_path / results.RESULTS_FILE).write_text("{}")
-    results.write_skip(tmp_path, _ctx(), "e2e-tp2 needs 2 GPU(s); found no GPU")
+    (tmp_path / schema.RESULTS_FILE).write_text("{}")
+    closing.write_skip(tmp_path, _ctx(), "e2e-tp2 needs 2 GPU(s); found no GPU")
     assert not (tmp_path / "junit.xml").exists()
-    data = json.loads((tmp_path / results.RESULTS_FILE).read_text())
+    data = json.loads((tmp_path / schema.RESULTS_FILE).read_text())
     assert data["skipped"] == "e2e-tp2 needs 2 GPU(s); found no GPU"
     for key in ("cell", "exit_status", "wall_seconds", "outcomes", "tests", "engine_starts"):
         assert key in data, key
@@ -235,12 +235,12 @@ class CommandFailed(Exception):
 
 
 def test_command_cell_records_each_command(tmp_path: Path) -> None:
-    recorded = results.CommandResults(tmp_path, _ctx())
+    recorded = closing.CommandResults(tmp_path, _ctx())
     with recorded.command(["ruff", "check", "."]):
         pass
     with pytest.raises(CommandFailed), recorded.command(["mypy"]):
         raise CommandFailed("Returned code 1")
-    data = json.loads((tmp_path / results.RESULTS_FILE).read_text())
+    data = json.loads((tmp_path / schema.RESULTS_FILE).read_text())
     assert data["exit_status"] == 1
     assert data["outcomes"] == {"passed": 1, "failed": 1}
     assert data["tests"]["command: mypy"]["message"] == "Returned code 1"
@@ -248,7 +248,7 @@ def test_command_cell_records_each_command(tmp_path: Path) -> None:
 
 
 def test_an_interrupted_command_cell_writes_nothing(tmp_path: Path) -> None:
-    recorded = results.CommandResults(tmp_path, _ctx())
+    recorded = closing.CommandResults(tmp_path, _ctx())
     with pytest.raises(KeyboardInterrupt), recorded.command(["mypy"]):
         raise KeyboardInterrupt
-    assert not (tmp_path / results.RESULTS_FILE).exists()
+    assert not (tmp_path / schema.RESULTS_FILE).exists()

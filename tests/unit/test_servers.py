@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from glm5_matrix import results, servers
+from glm5_matrix import servers
 from glm5_matrix.machine import processes
+from glm5_matrix.results import recorder
 
 
 def _alive(pid: int) -> bool:
@@ -275,7 +276,7 @@ def test_start_and_stop_a_server(tmp_path: Path) -> None:
         "STUB_REPORT": str(report),
         "EXTRA": "yes",
     }
-    starts_before = len(results.engine_starts())
+    starts_before = len(recorder.engine_starts())
     server = servers.VllmServer(
         "stub", "/models/x", ["--max-model-len", "64"], env, log_dir=tmp_path / "logs"
     )
@@ -303,7 +304,7 @@ def test_start_and_stop_a_server(tmp_path: Path) -> None:
     assert not _alive(server.proc.pid)
     assert not _alive(seen["child"])
     assert not Path(seen["env"]["VLLM_RPC_BASE_PATH"]).exists()
-    starts = results.engine_starts()[starts_before:]
+    starts = recorder.engine_starts()[starts_before:]
     assert [s.label for s in starts] == ["server:stub"]
     assert starts[0].seconds == pytest.approx(server.startup_seconds, abs=0.01)
 
@@ -382,10 +383,10 @@ def test_a_server_start_records_what_it_compiled_and_the_guard_fails_it(
         "STUB_COMPILE": "_fwd_kernel.cubin",
     }
     monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "0")
-    starts_before = len(results.engine_starts())
+    starts_before = len(recorder.engine_starts())
     with servers.VllmServer("compiles", "/m", env=env, log_dir=tmp_path / "a"):
         pass
-    (start,) = results.engine_starts()[starts_before:]
+    (start,) = recorder.engine_starts()[starts_before:]
     assert start.compile is not None and start.compile["entries_added"]["triton"] == 1
     assert start.compile["seconds"] == 0.25  # what vLLM logged
     # The kernel cache of this process: TRITON_CACHE_DIR points into its key folder.

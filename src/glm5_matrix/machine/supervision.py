@@ -25,7 +25,7 @@ interpreter (nothing but the standard library, and NVML where the cell has it). 
   of the run's own where the machine allows one), so that after the sweep whatever is still in it
   is frozen and killed at once; the runner kills the domain too once the supervisor's command
   line returns, so SIGKILL of the supervisor itself still takes the whole cell;
-- records how the run ended (glm5_matrix.results.record_ending): afterwards results.json says
+- records how the run ended (glm5_matrix.results.closing.record_ending): afterwards results.json says
   whether the run completed, and junit.xml is there, marked when the run ended early, and which
   kill domain mechanism held the cell (`kill_domain`).
 
@@ -496,7 +496,7 @@ class Supervisor:
 
     def _ending(self) -> tuple[str, str | None, str] | None:
         """(how, signal, detail) where the test command could not say it; None where it did."""
-        from glm5_matrix import results
+        from glm5_matrix.results import schema
 
         pid = self.child.pid if self.child is not None else None
         if self.main_nox_died:
@@ -525,7 +525,7 @@ class Supervisor:
         if os.WIFSIGNALED(self.child_status):
             name = signal.Signals(os.WTERMSIG(self.child_status)).name
             return ("killed", name, f"the test process (pid {pid}) was killed by {name}")
-        recorded = results.load(self.results_dir) if self.results_dir else None
+        recorded = schema.load(self.results_dir) if self.results_dir else None
         if recorded is None or (recorded.get("ended") or {}).get("how") in (None, "unfinished"):
             code = os.waitstatus_to_exitcode(self.child_status)
             return (
@@ -538,17 +538,17 @@ class Supervisor:
     def _record(self, code: int, ending: tuple[str, str | None, str] | None = None) -> None:
         if self.results_dir is None:
             return
-        from glm5_matrix import results
+        from glm5_matrix.results import closing, schema
 
         found = ending or self._ending()
-        ended = None if found is None else results.ending(found[0], found[2], signal=found[1])
-        results.record_ending(
+        ended = None if found is None else schema.ending(found[0], found[2], signal=found[1])
+        closing.record_ending(
             self.results_dir,
             ended,
             code,
             time.monotonic() - self.started,
             self.left_behind,
-            junit=self.results_dir / results.JUNIT_FILE,
+            junit=self.results_dir / schema.JUNIT_FILE,
             kill_domain={
                 **self.domain.record(),
                 "stopped_by": "supervisor",

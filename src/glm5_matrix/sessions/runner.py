@@ -21,7 +21,6 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from glm5_matrix import results
 from glm5_matrix.envs import environments
 from glm5_matrix.errors import UserError
 from glm5_matrix.files import write_json_atomic
@@ -31,6 +30,7 @@ from glm5_matrix.matrix import context as cell_context
 from glm5_matrix.matrix.matrix import MATRIX_FILE, Matrix, Variant, load_matrix
 from glm5_matrix.matrix.profiles import load_profile, repo_root
 from glm5_matrix.models import drafters, weights
+from glm5_matrix.results import closing, schema
 
 VENVS_VARIABLE = "GLM5_MATRIX_VENVS"
 # Suites that load model weights; the others read the profile's config only.
@@ -107,7 +107,7 @@ def empty_results_dir(out: Path) -> None:
 
 
 def results_dir(variant: Variant, environ: dict[str, str]) -> Path:
-    return results.results_base(environ) / variant.slug
+    return schema.results_base(environ) / variant.slug
 
 
 def venv_dir(variant: Variant, environ: dict[str, str]) -> Path:
@@ -119,7 +119,7 @@ def _record_skip(out: Path, variant: Variant, weights: cell_context.Weights, rea
     """A preflight skip leaves results.json with the reason (before anything is built)."""
     empty_results_dir(out)
     ctx = cell_context.for_variant(variant, weights=weights, results_dir=str(out))
-    results.write_skip(out, asdict(ctx), reason)
+    closing.write_skip(out, asdict(ctx), reason)
 
 
 def run_variant(
@@ -261,7 +261,7 @@ def _run_leased(
 
     cell = variant.cell
     if cell.commands:
-        recorded = results.CommandResults(out, asdict(ctx))
+        recorded = closing.CommandResults(out, asdict(ctx))
         for program, *arguments in cell.commands:
             # The cell's own tools: looked up on the cell's PATH, not on nox's.
             executable = shutil.which(program, path=run_env.get("PATH"))
@@ -277,7 +277,7 @@ def _run_leased(
                 )
                 session.run(*command, env=run_env, external=True, **supervision.NOX_TIMEOUTS)
         recorded.write()
-        session.log(f"{variant.id}: {results.summarize(out)}")
+        session.log(f"{variant.id}: {closing.summarize(out)}")
         return kernels
     pytest = [
         str(built.python),
@@ -285,12 +285,12 @@ def _run_leased(
         "pytest",
         *(cell.tests if call.tests is None else call.tests),
         "-p",
-        "glm5_matrix.results",
+        "glm5_matrix.results.recorder",
         "-p",
         "glm5_matrix.matrix.known_failures",
         "-p",
         "glm5_matrix.kernels.kernel_guard",
-        f"--junitxml={out / results.JUNIT_FILE}",
+        f"--junitxml={out / schema.JUNIT_FILE}",
         *options.pytest_args,
     ]
     session.log(f"cell context: {context_file}")
@@ -306,7 +306,7 @@ def _run_leased(
             )
             session.run(*command, env=run_env, external=True, **supervision.NOX_TIMEOUTS)
     finally:
-        session.log(f"{variant.id}: {results.summarize(out)}")
+        session.log(f"{variant.id}: {closing.summarize(out)}")
     return kernels
 
 
@@ -340,7 +340,7 @@ def record_domain(out: Path, state: kill_domain.Held, seconds: float) -> None:
     """results.json after the runner stopped the domain: where the supervisor recorded how the
     run ended, what the runner killed after it; where it did not (it was killed, or died), an
     ending that says so."""
-    data = results.load(out)
+    data = schema.load(out)
     recorded = data is not None and data.get("exit_status") is not None
     stopped = {
         **state.domain.record(),
@@ -354,19 +354,19 @@ def record_domain(out: Path, state: kill_domain.Held, seconds: float) -> None:
         stopped["killed_by_runner"] = len(state.killed)
         stopped["killed"] = (data.get("kill_domain") or {}).get("killed", 0)
         data["kill_domain"] = stopped
-        write_json_atomic(out / results.RESULTS_FILE, data)
+        write_json_atomic(out / schema.RESULTS_FILE, data)
         return
     detail = (
         "the supervisor ended without recording how the run ended (it was killed or died); "
         f"the cell's kill domain ({state.domain.mechanism}) killed {len(state.killed)} "
         "process(es) left"
     )
-    results.record_ending(
+    closing.record_ending(
         out,
-        results.ending("process-died", detail),
+        schema.ending("process-died", detail),
         1,
         seconds,
         [f"pid {pid} killed with the cell's kill domain" for pid in state.killed],
-        junit=out / results.JUNIT_FILE,
+        junit=out / schema.JUNIT_FILE,
         kill_domain=stopped,
     )

@@ -23,13 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from glm5_matrix import results
 from glm5_matrix.errors import UserError
 from glm5_matrix.kernels import kernel_archive, kernel_cache
 from glm5_matrix.machine import hardware
 from glm5_matrix.matrix.context import LEDGER_VARIABLE
 from glm5_matrix.matrix.matrix import ENGINE_SUITES, Matrix, Variant
-from glm5_matrix.results import RESULTS_FILE
+from glm5_matrix.results import schema
+from glm5_matrix.results.schema import RESULTS_FILE
 from glm5_matrix.sessions import runner
 
 WARM_SUITE = "tests/suites/test_warm.py"
@@ -163,7 +163,7 @@ def run(session: Any, matrix: Matrix) -> None:
         session.error(f"{missing[0]} ({hardware.STRICT_VARIABLE} is set)")
     if not variants:
         session.skip(f"nothing to warm on this machine ({found.describe()})")
-    base = results.results_base(os.environ) / "warm"
+    base = schema.results_base(os.environ) / "warm"
     ledger = base / "ledger.json"
     ledger.unlink(missing_ok=True)
     caches: dict[Path, kernel_cache.KernelCache] = {}

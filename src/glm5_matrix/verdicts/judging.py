@@ -1,7 +1,7 @@
 """Greedy comparisons as the suites run them: measure the engine's noise on the reference done N
 times, judge the run under test against it, show with a negative control that the comparison
 can fail by a wide margin (its power), and record every figure into the cell's results
-(results.record_figure).
+(glm5_matrix.results.recorder.record_figure).
 
 The rule itself is compare's (pure); this module only orders the steps and records them, so that
 every suite (e2e repeat, offload warm run, MTP, DFlash2, PD) judges the same way and reports the
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from glm5_matrix.results import record_figure
+from glm5_matrix.results.recorder import record_figure
 from glm5_matrix.verdicts import compare
 from glm5_matrix.verdicts.compare import Agreement, NoiseFloor, Scored, TokenAgreement
 
