@@ -22,8 +22,10 @@ from pathlib import Path
 import pytest
 
 from glm5_matrix.cache import models_dir
-from glm5_matrix.engine_configs import dflash_drafted_spec
-from glm5_matrix.engines import Engine, engine_spec, layer_specs, random_prompt
+from glm5_matrix.engines.client import Engine, layer_specs
+from glm5_matrix.engines.engine_configs import dflash_drafted_spec
+from glm5_matrix.engines.prompts import random_prompt
+from glm5_matrix.engines.specs import engine_spec
 from glm5_matrix.matrix.context import CellContext
 from glm5_matrix.matrix.profiles import Profile
 from glm5_matrix.models.drafters import Drafter, dflash_table, resolve_drafter

@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from glm5_matrix.engine_configs import e2e_specs
-from glm5_matrix.engines import Engine, groups_of, resolve_class, spec_classes, with_other_tokens
+from glm5_matrix.engines.client import Engine, groups_of, resolve_class, spec_classes
+from glm5_matrix.engines.engine_configs import e2e_specs
+from glm5_matrix.engines.prompts import with_other_tokens
 from glm5_matrix.matrix.context import CellContext
 from glm5_matrix.matrix.profiles import Profile
 from glm5_matrix.results.recorder import record_figure
@@ -137,7 +138,7 @@ def _check_planned_layout(
 ) -> None:
     """GLM-5.3-Flash: {MLA latent + indexer}, the kpool tail ring, one Mamba group per KDA layer
     sharing the MLA tensor; kinds by class identity; sizes as the layout planner predicts."""
-    from glm5_matrix.engines import gpu_family
+    from glm5_matrix.engines.specs import gpu_family
     from glm5_matrix.verdicts.layout import plan_layout
 
     expect, planned = profile.section("expect"), profile.section("layout")

@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 
-from glm5_matrix.engine_configs import offload_cpu_bytes, offload_spec
-from glm5_matrix.engines import Engine, groups_of, resolve_class, with_other_tokens
+from glm5_matrix.engines.client import Engine, groups_of, resolve_class
+from glm5_matrix.engines.engine_configs import offload_cpu_bytes, offload_spec
+from glm5_matrix.engines.prompts import with_other_tokens
 from glm5_matrix.matrix.context import CellContext
 from glm5_matrix.matrix.profiles import Profile
 from glm5_matrix.results.recorder import record_figure

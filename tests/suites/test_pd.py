@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 
-from glm5_matrix import disagg, servers
-from glm5_matrix.engine_configs import SERVED_MODEL, pd_role_environment, pd_server_args
-from glm5_matrix.engines import random_prompt, with_other_tokens
+from glm5_matrix.engines import disagg, servers
+from glm5_matrix.engines.engine_configs import SERVED_MODEL, pd_role_environment, pd_server_args
+from glm5_matrix.engines.prompts import random_prompt, with_other_tokens
 from glm5_matrix.matrix.context import CellContext
 from glm5_matrix.matrix.profiles import Profile
 from glm5_matrix.results.recorder import record_figure

@@ -2,7 +2,7 @@
 the cell's suite is started once and sent the requests of the profile's [warm] table, so that
 what the cell compiles lands in the kernel cache before the cell runs with the guard on.
 
-The configurations come from glm5_matrix.engine_configs, the functions the suites build their
+The configurations come from glm5_matrix.engines.engine_configs, the functions the suites build their
 engines with; one already warmed in this warm run (by an earlier cell) is not started again.
 Per prompt of [warm]: a greedy request with top logprobs, a one-token request without them that
 starts from the prefix cache, and after a prefix-cache reset the first again steered off its
@@ -19,9 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from glm5_matrix import disagg, engine_configs, servers
-from glm5_matrix.engine_configs import Config, ServerSpec, WarmLedger, warm_prompts
-from glm5_matrix.engines import Engine, EngineSpec, random_prompt
+from glm5_matrix.engines import disagg, engine_configs, servers
+from glm5_matrix.engines.client import Engine
+from glm5_matrix.engines.engine_configs import Config, ServerSpec, WarmLedger, warm_prompts
+from glm5_matrix.engines.prompts import random_prompt
+from glm5_matrix.engines.specs import EngineSpec
 from glm5_matrix.kernels import kernel_cache
 from glm5_matrix.matrix.context import CellContext
 from glm5_matrix.matrix.profiles import Profile

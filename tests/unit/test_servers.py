@@ -1,4 +1,4 @@
-"""glm5_matrix.servers with real processes and real HTTP servers, no vLLM.
+"""glm5_matrix.engines.servers with real processes and real HTTP servers, no vLLM.
 
 Where the server module is replaced (test_start_*), the stand-in is one small HTTP server
 module put first on PYTHONPATH under vLLM's module name: it is the only way to drive
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from glm5_matrix import servers
+from glm5_matrix.engines import servers
 from glm5_matrix.machine import processes
 from glm5_matrix.results import recorder
 

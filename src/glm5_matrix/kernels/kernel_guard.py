@@ -4,7 +4,7 @@ With the guard on (GLM5_MATRIX_KERNEL_GUARD=1, or GLM5_MATRIX_STRICT=1 unless th
 to 0), a test phase (setup, call, teardown) that passed is turned into a failure when a
 library's cache folder gained or rewrote a kernel file during it, naming the files: a request
 that compiled a kernel the warm-up did not. Engine and server starts check themselves as they
-come up (glm5_matrix.engines, glm5_matrix.servers), so a cold cache fails at the first start;
+come up (glm5_matrix.engines.client, glm5_matrix.engines.servers), so a cold cache fails at the first start;
 vLLM's own jit monitor covers in-process compiles after vLLM's warm-up where vLLM activates it
 (compiled mode, see engines). With the guard off the plugin does nothing.
 

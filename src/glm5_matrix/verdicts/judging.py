@@ -235,7 +235,7 @@ def reference_repeated(
     names_prefix: str = "cold",
     reset: Callable[[], object] | None = None,
 ) -> tuple[Scored, Comparison]:
-    """The reference: `prompt` on a running glm5_matrix.engines.Engine from an empty prefix cache
+    """The reference: `prompt` on a running glm5_matrix.engines.client.Engine from an empty prefix cache
     (emptied by `reset`, default the engine's reset_prefix_cache), done the profile's
     reference_repeats times. Returns the first run and the comparison measured from all of them
     (repeated(): the profile's min_distinct_tokens, min_median_margin_steps and min_power)."""

@@ -1,6 +1,6 @@
 """A transfer is a copy: the pages that arrived must equal the pages that left, byte for byte.
 
-Pure: block tables and page digests in (glm5_matrix.worker_pages reads them inside the workers),
+Pure: block tables and page digests in (glm5_matrix.engines.workers reads them inside the workers),
 a verdict out. Used for NIXL 1P1D (P's sent blocks against D's received ones) and for KV offload
 (the blocks a warm run restored from CPU against the pages the cold run wrote).
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from glm5_matrix.engines import EngineSpec, engine_spec
+from glm5_matrix.engines.specs import EngineSpec, engine_spec
 from glm5_matrix.errors import UserError
 from glm5_matrix.files import write_json_atomic
 from glm5_matrix.kernels import kernel_cache
@@ -32,7 +32,7 @@ from glm5_matrix.matrix.profiles import Profile
 SERVED_MODEL = "pd-model"  # one name on every PD server, so requests read the same on P and D
 OFFLOAD_CONNECTORS = {"simple": "SimpleCPUOffloadConnector", "offloading": "OffloadingConnector"}
 PD_CONNECTORS = {"nixl": "NixlConnector"}
-PD_WORKER_EXTENSION = "glm5_matrix.worker_pages.PageReader"
+PD_WORKER_EXTENSION = "glm5_matrix.engines.workers.PageReader"
 
 
 @dataclass(frozen=True)
@@ -136,7 +136,7 @@ def pd_table(profile: Profile) -> dict[str, Any]:
 
 def pd_server_args(cell: CellContext, profile: Profile) -> tuple[str, list[str], dict[str, str]]:
     """Model, api_server flags and environment shared by every server of the pd suite."""
-    from glm5_matrix.servers import engine_cli_args
+    from glm5_matrix.engines.servers import engine_cli_args
 
     pd = pd_table(profile)
     connector = cell.setting("kv_connector", "nixl")

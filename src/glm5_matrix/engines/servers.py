@@ -254,7 +254,7 @@ class VllmServer:
         """Call worker method `method` (string arguments) on every worker of this server through
         vLLM's dev-mode `/collective_rpc` endpoint: the server must run with
         VLLM_SERVER_DEV_MODE=1 and a worker extension that has the method
-        (glm5_matrix.worker_pages.PageReader). One result per worker."""
+        (glm5_matrix.engines.workers.PageReader). One result per worker."""
         body = json.dumps({"method": method, "args": list(args), "timeout": timeout}).encode()
         request = urllib.request.Request(
             self.url + "/collective_rpc",

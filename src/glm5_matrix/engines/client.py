@@ -1,0 +1,354 @@
+"""Managed in-process vLLM engines for the suites.
+
+An Engine is built from an engine spec (glm5_matrix.engines.specs: the cell's profile, model and
+settings). It is a context manager that always shuts vLLM down
+(vLLM's own shutdown API, then a bounded wait for the child processes it started; any left are
+killed by id and reported).
+
+Every start runs against the kernel cache (glm5_matrix.kernels.kernel_cache) and records, beside its
+seconds to ready, what it compiled: the cache files each library added, and the torch.compile
+seconds vLLM reports. With the kernel guard on, a start that compiled fails naming the files,
+and an engine in compiled mode runs vLLM's jit monitor in error mode (vLLM activates it only
+when it warms up JIT kernels itself, i.e. not with enforce_eager).
+
+Worker-side reads (KV layout, block tables, cache pages) go through `LLM.collective_rpc` with
+the module-level functions of glm5_matrix.engines.workers, which needs VLLM_ALLOW_INSECURE_SERIALIZATION=1: the
+Engine sets it in its own process environment for its lifetime only (the workers inherit it at
+spawn), never globally.
+
+The layout readers (spec_classes, groups_of, layer_specs) turn worker_kv_layout's plain data
+back into vLLM's classes in the test process.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from glm5_matrix.engines.prompts import random_prompt
+from glm5_matrix.engines.specs import EngineSpec, jit_monitor_args
+from glm5_matrix.engines.workers import (
+    worker_compilation_seconds,
+    worker_kv_layout,
+    worker_moe_backends,
+    worker_page_digests,
+    worker_read_pages,
+    worker_recorded_block_tables,
+    worker_scheduler_limits,
+    worker_start_block_recorder,
+)
+from glm5_matrix.kernels import kernel_cache
+from glm5_matrix.machine import processes
+from glm5_matrix.results.recorder import record_engine_start
+from glm5_matrix.verdicts.compare import GreedyOutput
+
+INSECURE_SERIALIZATION = "VLLM_ALLOW_INSECURE_SERIALIZATION"
+SHUTDOWN_TIMEOUT_S = 30.0
+
+
+class Engine:
+    """A running vLLM `LLM`, shut down on exit whatever happened."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+        self._llm: Any = None
+        self._saved_environment: dict[str, str | None] = {}
+        self._scratch: Path | None = None
+        self._children_before: set[int] = set()
+        self.start_seconds: float | None = None
+        self.leftover_processes: list[str] = []
+        self._watch: EngineCoreWatch | None = None
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def __enter__(self) -> Engine:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def start(self) -> None:
+        self._children_before = set(processes.live_descendants())
+        self._scratch = Path(tempfile.mkdtemp(prefix="glm5-matrix-engine-"))
+        rpc_dir = self._scratch / "rpc"
+        rpc_dir.mkdir()
+        environment = {
+            **self.spec.environment,
+            INSECURE_SERIALIZATION: "1",
+            # ZMQ socket files go to a scratch folder.
+            "VLLM_RPC_BASE_PATH": str(rpc_dir),
+        }
+        for name, value in environment.items():
+            self._saved_environment[name] = os.environ.get(name)
+            os.environ[name] = value
+        try:
+            # The library caches (vLLM's own included: model-class inspection, compiled
+            # graphs) point into the kernel cache, unless the runner did that already.
+            kernel_cache.ensure_active()
+            # Imported before the clock starts: a once-per-process cost, not the engine's.
+            from vllm import LLM
+
+            before = kernel_cache.snapshot()
+            started = time.monotonic()
+            self._llm = LLM(model=self.spec.model, **self.spec.args, **jit_monitor_args(self.spec))
+            self.start_seconds = time.monotonic() - started
+            compiled = kernel_cache.written(before, kernel_cache.snapshot())
+            record_engine_start(
+                self.spec.label,
+                self.start_seconds,
+                compile=kernel_cache.compile_record(compiled, self._compile_seconds()),
+            )
+            kernel_cache.refuse_compiled(compiled, f"the start of engine {self.spec.label}")
+        except BaseException:
+            self.shutdown()
+            raise
+        # The engine core: the children this process gained (the workers are below it).
+        cores = (
+            set(processes.live_children()) - self._children_before - processes.stdlib_helper_pids()
+        )
+        self._watch = EngineCoreWatch(self._llm, cores)
+
+    def _compile_seconds(self) -> float | None:
+        """vLLM's own report of the start's torch.compile seconds (the slowest worker's), or
+        None when it cannot be read."""
+        try:
+            return max(float(s) for s in self.rpc(worker_compilation_seconds))
+        except Exception:  # accounting only: never fail a start over it
+            return None
+
+    def shutdown(self) -> None:
+        """Stop the engine (vLLM's API), wait for its processes, kill and report leftovers."""
+        llm, self._llm = self._llm, None
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
+        try:
+            if llm is not None:
+                engine_core = getattr(llm.llm_engine, "engine_core", None)
+                if engine_core is not None:
+                    engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
+                del llm
+        finally:
+            self.leftover_processes = processes.reap_descendants(
+                self._children_before, SHUTDOWN_TIMEOUT_S
+            )
+            for name, value in self._saved_environment.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+            self._saved_environment.clear()
+            if self._scratch is not None:
+                shutil.rmtree(self._scratch, ignore_errors=True)
+                self._scratch = None
+
+    @property
+    def llm(self) -> Any:
+        if self._llm is None:
+            raise RuntimeError(f"engine {self.spec.label} is not running")
+        return self._llm
+
+    # --- requests ----------------------------------------------------------------------------
+
+    def generate_greedy(self, prompt: Sequence[int], max_tokens: int) -> list[int]:
+        """Greedy tokens for one token-id prompt."""
+        return list(self._generate(prompt, max_tokens, logprobs=None).outputs[0].token_ids)
+
+    def generate_scored(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int,
+        top: int,
+        logit_bias: dict[int, float] | None = None,
+    ) -> GreedyOutput:
+        """Greedy tokens with the chosen token's logprob and the `top` best candidates per step
+        (what compare's noise-floor rule needs to tell rounding from a real difference). A
+        `logit_bias` steers the choice only: the logprobs are vLLM's raw ones, computed before
+        any logits processor."""
+        request = self._generate(prompt, max_tokens, logprobs=top, logit_bias=logit_bias)
+        output = request.outputs[0]
+        tokens = list(output.token_ids)
+        steps = [{int(t): float(lp.logprob) for t, lp in step.items()} for step in output.logprobs]
+        chosen = [step[token] for token, step in zip(tokens, steps, strict=True)]
+        return GreedyOutput(tokens, chosen, steps, int(request.num_cached_tokens or 0))
+
+    def _generate(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int,
+        logprobs: int | None,
+        logit_bias: dict[int, float] | None = None,
+    ) -> Any:
+        """vLLM's RequestOutput of one greedy request (no EOS stop: a fixed number of tokens)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            logprobs=logprobs,
+            logit_bias=logit_bias,
+        )
+        return self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(prompt))], params, use_tqdm=False
+        )[0]
+
+    def counters(self) -> dict[str, float]:
+        """vLLM's counters and vectors (summed) by name, e.g. vllm:spec_decode_num_drafts.
+        Needs the engine built with disable_log_stats=False."""
+        totals: dict[str, float] = {}
+        for metric in self.llm.get_metrics():
+            value = getattr(metric, "value", None)
+            if value is None and hasattr(metric, "values"):
+                value = sum(metric.values)
+            if isinstance(value, (int, float)):
+                totals[metric.name] = totals.get(metric.name, 0.0) + float(value)
+        return totals
+
+    def vocab_size(self) -> int:
+        return int(self.llm.llm_engine.model_config.get_vocab_size())
+
+    def random_prompt(self, length: int, seed: int) -> list[int]:
+        """`length` token ids drawn uniformly from this model's vocabulary with `seed`."""
+        return random_prompt(self.vocab_size(), length, seed)
+
+    def reset_prefix_cache(self, reset_connector: bool = False) -> bool:
+        """Drop the GPU prefix cache (and, with `reset_connector`, the KV connector's, e.g. the
+        CPU offload store); False while blocks are still in flight."""
+        if reset_connector:
+            return bool(self.llm.reset_prefix_cache(reset_connector=True))
+        return bool(self.llm.reset_prefix_cache())
+
+    def reset_prefix_cache_when_stored(
+        self, bound_s: float, reset_connector: bool = False
+    ) -> float:
+        """reset_prefix_cache() once vLLM accepts it: with an offload connector the stores
+        complete asynchronously and the reset is refused while blocks are in flight. Polls
+        (bounded; an empty step lets the engine collect finished stores) and returns how long it
+        took; TimeoutError after `bound_s`."""
+        started = time.monotonic()
+        while not self.reset_prefix_cache(reset_connector=reset_connector):
+            if time.monotonic() - started > bound_s:
+                raise TimeoutError(f"reset_prefix_cache() still refused after {bound_s:.0f} s")
+            self.generate_greedy([1], 1)
+            time.sleep(0.5)
+        return time.monotonic() - started
+
+    def rpc(self, function: Any, *args: Any) -> list[Any]:
+        """Run `function(worker, *args)` on every worker; one result per worker."""
+        return list(self.llm.collective_rpc(function, args=args))
+
+    # --- what the engine decided -------------------------------------------------------------
+
+    def kv_layout(self) -> dict[str, Any]:
+        """The KV cache layout of rank 0 as plain data (see worker_kv_layout)."""
+        return self.rpc(worker_kv_layout)[0]
+
+    def moe_backends(self) -> dict[str, list[str]]:
+        return self.rpc(worker_moe_backends)[0]
+
+    def scheduler_limits(self) -> dict[str, Any]:
+        return self.rpc(worker_scheduler_limits)[0]
+
+    def record_block_tables(self) -> None:
+        """From now on, remember every request's block table per KV cache group (rank 0)."""
+        self.rpc(worker_start_block_recorder)
+
+    def recorded_block_tables(self, clear: bool = True) -> dict[str, list[list[list[int]]]]:
+        """{request id: [block ids per group, one entry per step where they changed]} for the
+        requests seen since the recorder started or was last cleared."""
+        return self.rpc(worker_recorded_block_tables, clear)[0]
+
+    def read_pages(self, layer_blocks: Sequence[tuple[str, int]]) -> list[list[Any]]:
+        """For each (layer, block id): that block's page of each of the layer's state tensors,
+        as float32 numpy arrays, from rank 0."""
+        return self.rpc(worker_read_pages, list(layer_blocks))[0]
+
+    def page_digests(self, layer_blocks: Sequence[tuple[str, int]]) -> list[list[str]]:
+        """For each (layer, block id): the sha256 of that block's bytes per state tensor, from
+        rank 0 (glm5_matrix.engines.workers)."""
+        return self.rpc(worker_page_digests, list(layer_blocks))[0]
+
+
+class EngineCoreWatch:
+    """Fails the request in flight when a process of the engine dies.
+
+    vLLM's in-process client (SyncMPClient, v1/engine/core_client.py, 0.32 and 0.33) waits on
+    its output queue for ever when the engine core process dies mid-generate: its monitor marks
+    the engine dead and shuts the client down, but nothing reaches the queue, so the test (and
+    the cell) would hang until an outer timeout. This thread watches the engine core processes,
+    by pid; when one is gone it puts vLLM's EngineDeadError in that queue, so the generate raises
+    at once (later requests raise EngineDeadError from vLLM itself)."""
+
+    POLL_S = 0.5
+
+    def __init__(self, llm: Any, pids: set[int]) -> None:
+        self.queue = getattr(getattr(llm.llm_engine, "engine_core", None), "outputs_queue", None)
+        self.pids = {pid: processes.start_time(pid) for pid in pids}
+        self._stop = threading.Event()
+        self.dead: str | None = None
+        if self.queue is not None and self.pids:
+            threading.Thread(target=self._run, name="glm5-engine-core-watch", daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.POLL_S):
+            for pid, started in self.pids.items():
+                stat = processes.proc_stat(pid)
+                if stat is None or stat[0] == "Z" or processes.start_time(pid) != started:
+                    self.dead = f"engine core process {pid} died"
+                    from vllm.v1.engine.exceptions import EngineDeadError
+
+                    queue = self.queue
+                    assert queue is not None
+                    queue.put_nowait(EngineDeadError())
+                    return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def resolve_class(qualified_name: str) -> type:
+    """The class object named `module.Class`, imported in this process."""
+    module, _, name = qualified_name.rpartition(".")
+    found = getattr(importlib.import_module(module), name)
+    if not isinstance(found, type):
+        raise TypeError(f"{qualified_name} is not a class")
+    return found
+
+
+# --- reading the layout worker_kv_layout returns -----------------------------------------------
+
+
+def spec_classes(group: dict[str, Any]) -> set[type]:
+    """The KV spec classes of a group's layers. vLLM 0.33 wraps every group's specs in
+    UniformTypeKVCacheSpecs, so the members, where there are any, tell the kinds apart."""
+    members = group.get("member_specs") or {"": group}
+    return {resolve_class(m["spec_class"]) for m in members.values()}
+
+
+def groups_of(layout: dict[str, Any], cls: type) -> list[dict[str, Any]]:
+    """The groups whose layers' spec class IS `cls` (identity: a subclass does not count)."""
+    return [g for g in layout["groups"] if spec_classes(g) == {cls}]
+
+
+def layer_specs(layout: dict[str, Any]) -> dict[str, tuple[type, int, int]]:
+    """{layer: (its spec class, page bytes, the group's block size)} over every group."""
+    found = {}
+    for group in layout["groups"]:
+        members = group.get("member_specs") or dict.fromkeys(group["layer_names"], group)
+        for name, member in members.items():
+            found[name] = (
+                resolve_class(member["spec_class"]),
+                int(member["page_size_bytes"]),
+                int(group["block_size"]),
+            )
+    return found

@@ -1,0 +1,297 @@
+"""What runs inside vLLM's worker processes, through collective_rpc: the KV layout the engine
+decided, the block-table recorder, the MoE backends, compile seconds and scheduler limits, and
+the bytes of KV cache pages, as digests per block and group. Imports nothing of the harness, so
+a worker loads this module alone.
+
+
+What a transfer guarantees is a copy: the pages D received for a block must equal, bit for bit,
+the pages P sent for it (NIXL 1P1D), and the GPU pages of a block restored from CPU must equal
+those the cold run wrote (KV offload). This module reads those bytes where they live, in the
+worker, and hands back sha256 digests (small, JSON-safe, exact); glm5_matrix.verdicts.transfers compares
+them. Nothing here changes the cache.
+
+Two ways in:
+- an offline engine (glm5_matrix.engines.client.Engine) calls `worker_page_digests` through
+  `LLM.collective_rpc` with the function itself;
+- an API server cannot be handed a function: it is started with
+  `--worker-extension-cls glm5_matrix.engines.workers.PageReader` (methods mixed into vLLM's worker
+  class) and `VLLM_SERVER_DEV_MODE=1`, whose `/collective_rpc` endpoint calls a worker method by
+  name with string arguments (glm5_matrix.engines.servers.VllmServer.worker_rpc is the client).
+
+A block id is the scheduler's (logical) id. Where a layer's kernel block is smaller than the
+scheduler's (GLM's MLA: 128-token kernel blocks inside a 4352-token block), the cache view has
+ratio x num_blocks rows and logical block b is rows [b * ratio, (b + 1) * ratio), the mapping
+vLLM's block tables apply.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+
+def layer_caches(worker: Any) -> dict[str, list[Any]]:
+    """Each KV layer's allocated cache tensors (one per state for Mamba layers)."""
+    runner = worker.model_runner
+    context = runner.compilation_config.static_forward_context
+    caches: dict[str, list[Any]] = {}
+    for group in runner.kv_cache_config.kv_cache_groups:
+        for name in group.layer_names:
+            cache = context[name].kv_cache
+            caches[name] = list(cache) if isinstance(cache, (list, tuple)) else [cache]
+    return caches
+
+
+def block_rows(view: Any, num_blocks: int, block: int) -> Any:
+    """The rows of a block-major cache view that hold scheduler block `block`."""
+    rows = int(view.shape[0])
+    if rows % num_blocks:
+        raise RuntimeError(
+            f"cache view {tuple(view.shape)} is not block-major over {num_blocks} blocks"
+        )
+    ratio = rows // num_blocks
+    return view[block * ratio : (block + 1) * ratio]
+
+
+def page_digest(page: Any) -> str:
+    """sha256 of a page's raw bytes (any dtype: read as bytes, never converted)."""
+    import torch
+
+    raw = page.detach().contiguous().view(torch.uint8).cpu().numpy()
+    return hashlib.sha256(raw.tobytes()).hexdigest()
+
+
+def worker_page_digests(worker: Any, layer_blocks: list[tuple[str, int]]) -> list[list[str]]:
+    """For each (layer, block id): the digest of its page per state tensor (one for an
+    attention layer, one per state for a Mamba layer), in the layer's tensor order."""
+    target = getattr(worker, "worker", worker)  # the worker behind a WorkerWrapperBase
+    caches = layer_caches(target)
+    num_blocks = int(target.model_runner.kv_cache_config.num_blocks)
+    return [
+        [page_digest(block_rows(view, num_blocks, int(block))) for view in caches[name]]
+        for name, block in layer_blocks
+    ]
+
+
+def worker_group_layers(worker: Any) -> list[dict[str, Any]]:
+    """Per KV cache group, in the scheduler's group order: its layer names and block size."""
+    target = getattr(worker, "worker", worker)
+    groups = target.model_runner.kv_cache_config.kv_cache_groups
+    return [
+        {"layers": list(group.layer_names), "block_size": int(group.kv_cache_spec.block_size)}
+        for group in groups
+    ]
+
+
+class PageReader:
+    """Mixed into vLLM's worker class (`--worker-extension-cls`): the reads above, and the
+    block-table recorder above, by name for the dev-mode `/collective_rpc`
+    endpoint, which passes string arguments only (JSON here) and returns JSON values."""
+
+    def glm5_group_layers(self) -> list[dict[str, Any]]:
+        return worker_group_layers(self)
+
+    def glm5_page_digests(self, layer_blocks: str) -> list[list[str]]:
+        pairs = [(str(name), int(block)) for name, block in json.loads(layer_blocks)]
+        return worker_page_digests(self, pairs)
+
+    def glm5_start_block_recorder(self) -> list[int]:
+        worker_start_block_recorder(self)
+        return []
+
+    def glm5_recorded_block_tables(self, clear: str = "true") -> dict[str, Any]:
+        return worker_recorded_block_tables(self, json.loads(clear))
+
+
+def _runner(worker: Any) -> Any:
+    return worker.model_runner
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def worker_kv_layout(worker: Any) -> dict[str, Any]:
+    """The KV cache config as plain data.
+
+    groups: per KV cache group, the spec's qualified class name, block size, page bytes (padded,
+    as allocated), the unpadded state page for Mamba specs, and layer names.
+    tensors: per KVCacheTensor, its layers and byte placement in the shared allocation.
+    storage: per layer, (storage address, first byte, last byte) of its allocated views, so the
+    caller can see which layers share memory.
+    """
+    config = _runner(worker).kv_cache_config
+    context = _runner(worker).compilation_config.static_forward_context
+    groups = []
+    cacheable = set(config.prefix_cacheable_group_ids)
+    for index, group in enumerate(config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        members = dict(getattr(spec, "kv_cache_specs", None) or {})
+        entry: dict[str, Any] = {
+            "spec_class": _qualified(type(spec)),
+            "block_size": int(spec.block_size),
+            "page_size_bytes": int(spec.page_size_bytes),
+            "layer_names": list(group.layer_names),
+            # vLLM's own list (0.32 and 0.33): the groups prefix caching and the offload
+            # connectors use; GLM's kpool tail ring is not among them.
+            "prefix_cacheable": index in cacheable,
+        }
+        if members:
+            # vLLM 0.33 wraps every group's specs in UniformTypeKVCacheSpecs; the members tell
+            # the kinds apart (GLM's MLA group holds the latent and the indexer keys).
+            entry["member_specs"] = {
+                name: {
+                    "spec_class": _qualified(type(member)),
+                    "page_size_bytes": int(member.page_size_bytes),
+                }
+                for name, member in members.items()
+            }
+            if len({type(m) for m in members.values()}) == 1:
+                spec = next(iter(members.values()))
+        if hasattr(spec, "shapes"):
+            entry["state_shapes"] = [list(s) for s in spec.shapes]
+            entry["state_dtypes"] = [str(d) for d in spec.dtypes]
+            entry["mamba_cache_mode"] = getattr(spec, "mamba_cache_mode", None)
+        else:
+            entry["bytes_per_token"] = int(spec.page_size_bytes // spec.block_size)
+            layer = context[group.layer_names[0]]
+            if hasattr(layer, "get_attn_backend"):
+                entry["backend_class"] = _qualified(layer.get_attn_backend())
+        groups.append(entry)
+    tensors = [
+        {
+            "layers": list(t.layers),
+            "size": int(t.size),
+            "offset": int(t.offset),
+            "layer_stride": int(t.layer_stride),
+            "block_stride": int(t.block_stride),
+        }
+        for t in config.kv_cache_tensors
+    ]
+    storage = {}
+    for name, views in layer_caches(worker).items():
+        spans = [_span(v) for v in views]
+        storage[name] = {
+            "storage": spans[0][0],
+            "first_byte": min(s[1] for s in spans),
+            "end_byte": max(s[2] for s in spans),
+        }
+    return {
+        "num_blocks": int(config.num_blocks),
+        "groups": groups,
+        "tensors": tensors,
+        "storage": storage,
+    }
+
+
+def _span(tensor: Any) -> tuple[int, int, int]:
+    """(storage address, first byte, end byte) a view covers inside its storage."""
+    element = tensor.element_size()
+    start = tensor.storage_offset() * element
+    extent = sum(
+        (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+    )
+    return tensor.untyped_storage().data_ptr(), start, start + (extent + 1) * element
+
+
+def worker_start_block_recorder(worker: Any) -> None:
+    """Wrap the worker's per-step `execute_model(scheduler_output)` to remember each request's
+    block table per KV cache group.
+
+    Why: a request's block ids live only in the scheduler and, while it runs, in the runner;
+    the checkpoint-page check needs them after the request finished. The tables are rebuilt
+    from the scheduler's output by the rule both of vLLM's GPU runners apply (SchedulerOutput:
+    new requests bring their table, running ones append their new blocks, resumed ones
+    replace), so the recorder reads no runner internals. Reading is all it does.
+    """
+    target = getattr(worker, "worker", worker)  # the worker behind a WorkerWrapperBase
+    if getattr(target, "_glm5_block_records", None) is not None:
+        return
+    records: dict[str, list[list[list[int]]]] = {}
+    target._glm5_block_records = records
+    original = target.execute_model
+
+    def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        record_block_tables(records, scheduler_output)
+        return original(scheduler_output, *args, **kwargs)
+
+    target.execute_model = execute_model
+
+
+def record_block_tables(records: dict[str, list[list[list[int]]]], scheduler_output: Any) -> None:
+    """Apply one step's block-table changes to `records` ({request: [table per change]})."""
+    for new in scheduler_output.scheduled_new_reqs:
+        _record(records, new.req_id, [list(ids) for ids in new.block_ids])
+    cached = scheduler_output.scheduled_cached_reqs
+    resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
+    for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+        if new_ids is None:
+            continue
+        history = records.get(req_id)
+        if req_id in resumed or not history:
+            _record(records, req_id, [list(ids) for ids in new_ids])
+        else:
+            _record(
+                records,
+                req_id,
+                [old + list(ids) for old, ids in zip(history[-1], new_ids, strict=True)],
+            )
+
+
+def _record(records: dict[str, list[list[list[int]]]], req_id: str, table: list[list[int]]) -> None:
+    history = records.setdefault(req_id, [])
+    if not history or history[-1] != table:
+        history.append(table)
+
+
+def worker_recorded_block_tables(worker: Any, clear: bool) -> dict[str, list[list[list[int]]]]:
+    live = getattr(getattr(worker, "worker", worker), "_glm5_block_records", None)
+    records = dict(live or {})
+    if clear and live is not None:
+        live.clear()
+    return records
+
+
+def worker_read_pages(worker: Any, layer_blocks: list[tuple[str, int]]) -> list[list[Any]]:
+    """Copy each (layer, block id)'s page, per state tensor, as float32 numpy."""
+    caches = layer_caches(worker)
+    num_blocks = _runner(worker).kv_cache_config.num_blocks
+    pages = []
+    for name, block in layer_blocks:
+        views = caches[name]
+        for view in views:
+            # Mamba state views are block-major: [num_blocks, *state shape].
+            if view.shape[0] != num_blocks:
+                raise RuntimeError(f"{name}: cache view {tuple(view.shape)} is not block-major")
+        pages.append([view[block].float().cpu().numpy().copy() for view in views])
+    return pages
+
+
+def worker_moe_backends(worker: Any) -> dict[str, list[str]]:
+    """{FP8 MoE backend vLLM selected (Fp8MoeBackend name): [MoE layers using it]}: what the
+    engine runs, read from the model, not from what was asked."""
+    backends: dict[str, list[str]] = {}
+    runner = _runner(worker)
+    model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+    for name, module in model.named_modules():
+        backend = getattr(getattr(module, "quant_method", None), "fp8_backend", None)
+        if backend is not None:
+            backends.setdefault(getattr(backend, "name", str(backend)), []).append(name)
+    return backends
+
+
+def worker_compilation_seconds(worker: Any) -> float:
+    """The torch.compile seconds this worker's start took, as vLLM counts them (0 in eager)."""
+    return float(getattr(worker.vllm_config.compilation_config, "compilation_time", 0.0) or 0.0)
+
+
+def worker_scheduler_limits(worker: Any) -> dict[str, Any]:
+    config = worker.vllm_config
+    return {
+        "max_num_seqs": int(config.scheduler_config.max_num_seqs),
+        "cache_dtype": str(config.cache_config.cache_dtype),
+        "speculative_tokens": int(
+            config.speculative_config.num_speculative_tokens if config.speculative_config else 0
+        ),
+    }
