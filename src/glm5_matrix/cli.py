@@ -14,8 +14,8 @@ _COMMAND_MODULES = (
     "glm5_matrix.checkpoints",
     "glm5_matrix.verdicts.layout",
     "glm5_matrix.matrix.guards",
-    "glm5_matrix.report",
-    "glm5_matrix.pipelines",
+    "glm5_matrix.report.command",
+    "glm5_matrix.report.pipelines",
     "glm5_matrix.kernels.kernel_archive",
 )
 

@@ -15,8 +15,8 @@ import pytest
 import results_tree
 from junitparser import JUnitXml
 
-from glm5_matrix import report, report_html
 from glm5_matrix.matrix.profiles import repo_root
+from glm5_matrix.report import command, junit, markdown, model, page
 
 ROOT = repo_root()
 
@@ -28,11 +28,11 @@ def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def built(tree: Path) -> report.MatrixReport:
-    return report.collect(results_tree.matrix(), tree)
+def built(tree: Path) -> model.MatrixReport:
+    return model.collect(results_tree.matrix(), tree)
 
 
-def _cell(built: report.MatrixReport, cell_id: str) -> report.CellReport:
+def _cell(built: model.MatrixReport, cell_id: str) -> model.CellReport:
     (cell,) = [c for c in built.cells if c.id == cell_id]
     return cell
 
@@ -50,7 +50,7 @@ def test_every_outcome_a_cell_can_have(built):
     assert status["e2e-tp2(flashinfer)"] == "not run"
     # The cell a lent runner cannot finish (fused_moe_90, README): never shown as verified.
     assert status["e2e-tp1(flashinfer)"] == "not run"
-    row = next(x for x in report.markdown(built).splitlines() if "`e2e-tp1(flashinfer)`" in x)
+    row = next(x for x in markdown.markdown(built).splitlines() if "`e2e-tp1(flashinfer)`" in x)
     assert "| not run |" in row and "passed" not in row
     # Every variant of the matrix is there, in matrix order, then what the matrix lost.
     ids = [c.id for c in built.cells]
@@ -82,15 +82,15 @@ def test_engine_starts_and_figures(built):
     e2e = _cell(built, "e2e-cpu")
     assert e2e.describe_starts() == "1 (22 s)"
     figures = {f["name"]: f for f in e2e.figures}
-    assert report.figure_verdict(figures["layout.block_size"]) == "within"
-    assert report.figure_verdict(figures["repeat.logprob_delta"]) == "outside"
-    assert report.figure_verdict(figures["layout.kv_groups"]) == ""
+    assert model.figure_verdict(figures["layout.block_size"]) == "within"
+    assert model.figure_verdict(figures["repeat.logprob_delta"]) == "outside"
+    assert model.figure_verdict(figures["layout.kv_groups"]) == ""
     # issue 13's optional torch.compile seconds, issue 26's kernel files per start and the
     # guard, each read where present ("?": a start that did not record its files)
     assert _cell(built, "offload-tp1(simple)").describe_starts() == (
         "3 (114 s), 12 s torch.compile, kernel files compiled per start: ?, 9 (under the guard), 2"
     )
-    html = report_html.render(built)
+    html = page.render(built)
     assert (
         '<td class="o-failed">9 (deep_gemm 8, flashinfer 1): compiled under the kernel guard</td>'
         in html
@@ -99,7 +99,7 @@ def test_engine_starts_and_figures(built):
 
 
 def test_markdown_is_short_and_escaped(built):
-    text = report.markdown(built)
+    text = markdown.markdown(built)
     assert len(text.encode()) < 64 * 1024  # GitHub's step summary takes 1 MiB, annotate 1 MiB
     lines = text.splitlines()
     assert f"{built.headline()}." in lines
@@ -116,7 +116,7 @@ def test_markdown_is_short_and_escaped(built):
 
 def test_merged_junit_names_every_test_with_its_cell(built, tmp_path):
     path = tmp_path / "junit.xml"
-    report.merged_junit(built).write(str(path))
+    junit.merged_junit(built).write(str(path))
     xml = JUnitXml.fromfile(str(path))
     suites = {suite.name: suite for suite in xml}
     assert "e2e-tp2(flashinfer)" not in suites  # not run: nothing to report
@@ -153,9 +153,9 @@ def test_write_is_atomic_and_never_touches_the_results(tree, tmp_path):
     out = tmp_path / "report"
     out.mkdir()
     (out / "report.png").write_bytes(b"a screenshot of an earlier report")
-    written = report.write(report.collect(results_tree.matrix(), tree), out)
-    assert [p.name for p in written] == list(report.FILES)
-    assert sorted(p.name for p in out.iterdir()) == sorted([*report.FILES, "report.png"])
+    written = command.write(model.collect(results_tree.matrix(), tree), out)
+    assert [p.name for p in written] == list(command.FILES)
+    assert sorted(p.name for p in out.iterdir()) == sorted([*command.FILES, "report.png"])
     assert _digest(tree) == before
 
 
@@ -203,7 +203,7 @@ def test_status_rules(tmp_path, data, label):
     folder = tmp_path / "unit"
     folder.mkdir()
     (folder / "results.json").write_text(json.dumps(data))
-    built = report.collect(results_tree.matrix(), tmp_path)
+    built = model.collect(results_tree.matrix(), tmp_path)
     assert _cell(built, "unit").label == label
 
 
@@ -211,7 +211,7 @@ def test_an_unreadable_results_json_is_interrupted_not_a_crash(tmp_path):
     folder = tmp_path / "unit"
     folder.mkdir()
     (folder / "results.json").write_text('{"cell": ')
-    built = report.collect(results_tree.matrix(), tmp_path)
+    built = model.collect(results_tree.matrix(), tmp_path)
     assert _cell(built, "unit").label.startswith("interrupted: results.json unreadable")
 
 
@@ -240,4 +240,4 @@ def test_nox_session_builds_the_report(tree, tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     cells = len(results_tree.matrix().variants) + 1
     assert f"{cells} cells: 2 passed, 2 failed" in result.stdout
-    assert sorted(p.name for p in out.iterdir()) == sorted(report.FILES)
+    assert sorted(p.name for p in out.iterdir()) == sorted(command.FILES)

@@ -1,4 +1,4 @@
-"""report.html in real headless Chromium (glm5_matrix.browser): it loads without a console
+"""report.html in real headless Chromium (glm5_matrix.report.browser): it loads without a console
 error or a request, every cell and test of the results is on it with its outcome, the filter
 works, a screenshot lands beside it; and each of those checks fails on a page with that
 defect planted.
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import results_tree
 
-from glm5_matrix import browser, report
+from glm5_matrix.report import browser, command, model
 
 INSTALL_TIMEOUT_S = 900
 
@@ -51,12 +51,12 @@ def chromium() -> str:
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[report.MatrixReport, Path]:
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[model.MatrixReport, Path]:
     base = tmp_path_factory.mktemp("browser")
     tree = results_tree.build(base / "results", base / "work")
-    made = report.collect(results_tree.matrix(), tree)
+    made = model.collect(results_tree.matrix(), tree)
     out = base / "results" / "report"
-    report.write(made, out)
+    command.write(made, out)
     return made, out / "report.html"
 
 

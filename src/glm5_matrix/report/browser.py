@@ -312,8 +312,8 @@ class ReportCheck:
 
 
 def check_report(page: Path, report: Any, screenshot: Path | None = None) -> ReportCheck:
-    """Load `page` and hold it against `report` (a glm5_matrix.report.MatrixReport)."""
-    from glm5_matrix.report_html import OUTCOME_WORDS
+    """Load `page` and hold it against `report` (a glm5_matrix.report.model.MatrixReport)."""
+    from glm5_matrix.report.page import OUTCOME_WORDS
 
     load = load_page(page, screenshot)
     problems = [f"console: {e}" for e in load.errors]

@@ -459,7 +459,7 @@ def _run(args: argparse.Namespace) -> int:
 
     matrix = load_matrix(args.matrix or repo_root() / MATRIX_FILE)
     if args.kind == "check":
-        from glm5_matrix import pipeline_checks
+        from glm5_matrix.report import pipeline_checks
 
         failures = pipeline_checks.check({kind: render(kind, matrix) for kind in KINDS})
         for failure in failures:

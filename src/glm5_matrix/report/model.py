@@ -1,37 +1,28 @@
-"""The matrix report: every cell of the matrix and what its results folder says, for a person
-(report.html, glm5_matrix.report_html), for a CI summary (report.md) and for a CI test view
-(junit.xml merged over the cells, each test named with its cell id).
+"""The matrix report's data: every cell of the matrix and what its results folder says, read
+into a MatrixReport that the writers (markdown, junit, page) and the browser check share.
 
 Reads only matrix data and results folders (results/SLUG/{context.json, results.json,
-junit.xml}); writes only into its output folder, each file replaced atomically. A cell is
-passed, failed, skipped (with the reason: preflight's, or every test's), not run (no results
-folder) or interrupted (results.json says "complete": false, or the folder has none). Keys that
-later runs add (complete, ended, engine_starts[].compile, figures) are read where present.
-
-    glm5-matrix report [RESULTS] [--output DIR] [--check-browser]      (nox -s report -- ...)
+junit.xml}). A cell is passed, failed, skipped (with the reason: preflight's, or every test's),
+not run (no results folder) or interrupted (results.json says "complete": false, or the folder
+has none). Keys that later runs add (complete, ended, engine_starts[].compile, figures) are read
+where present. The command that writes the report is glm5_matrix.report.command.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import re
-import shutil
 import time
 from dataclasses import dataclass, field
-from html import escape
 from pathlib import Path
 from typing import Any
 
 from glm5_matrix.errors import UserError
-from glm5_matrix.matrix.matrix import MATRIX_FILE, Matrix, Variant, load_matrix
-from glm5_matrix.results.schema import RESULTS_FILE, first_line, results_base
+from glm5_matrix.matrix.matrix import Matrix, Variant
+from glm5_matrix.results.schema import RESULTS_FILE, first_line
 
 STATUSES = ("passed", "failed", "skipped", "not run", "interrupted")
 FAILED_OUTCOMES = ("failed", "error", "xpassed")
-REPORT_DIR = "report"
-FILES = ("report.md", "report.html", "junit.xml")
 # pytest's exit status when it collected no test: a cell that tested nothing did not pass.
 NO_TESTS_COLLECTED = 5
 
@@ -274,7 +265,7 @@ def junit_address(nodeid: str) -> tuple[str, str]:
 def _junit_tests(path: Path, recorded: list[TestResult]) -> list[TestResult]:
     """The recorded tests with each failure's full text from junit.xml; tests that only
     junit.xml has (a run that ended before results.json) are added from it."""
-    cases = _junit_cases(path)
+    cases = junit_cases(path)
     by_address = {junit_address(t.nodeid): t for t in recorded}
     for (classname, name), case in cases.items():
         test = by_address.get((classname, name))
@@ -292,7 +283,7 @@ def _junit_tests(path: Path, recorded: list[TestResult]) -> list[TestResult]:
     return recorded
 
 
-def _junit_cases(path: Path) -> dict[tuple[str, str], Any]:
+def junit_cases(path: Path) -> dict[tuple[str, str], Any]:
     if not path.is_file():
         return {}
     from junitparser import JUnitXml, JUnitXmlError, TestSuite
@@ -316,14 +307,6 @@ def _junit_outcome(results: list[Any]) -> str:
         if isinstance(result, Skipped):
             return "skipped"
     return "passed"
-
-
-# --- report.md --------------------------------------------------------------------------------
-
-
-def _md(text: Any) -> str:
-    """A table cell: one line, pipes escaped, no HTML of a message rendered as HTML."""
-    return escape(str(text), quote=False).replace("\n", " ").replace("|", "\\|").strip()
 
 
 def figure_verdict(figure: dict[str, Any]) -> str:
@@ -352,163 +335,3 @@ def format_value(value: Any, unit: Any = None) -> str:
     else:
         text = str(value)
     return f"{text} {unit}" if unit and not isinstance(value, list) else text
-
-
-def markdown(report: MatrixReport, max_rows: int = 40) -> str:
-    """Short enough for $GITHUB_STEP_SUMMARY or `buildkite-agent annotate` (both take far more
-    than this: failures and figures are capped at `max_rows` rows each)."""
-    lines = [
-        "## glm5-matrix report",
-        "",
-        f"{report.headline()}.",
-        "",
-        "| cell | outcome | tests | engine starts | wall |",
-        "|---|---|---|---|---|",
-    ]
-    for cell in report.cells:
-        wall = cell.describe_wall()
-        name = cell.id if cell.in_matrix else f"{cell.id} (not in {MATRIX_FILE})"
-        ran = cell.status in ("passed", "failed") or bool(cell.tests)
-        lines.append(
-            f"| `{_md(name)}` | {_md(cell.label)} | {_md(cell.describe_tests() if ran else '')} "
-            f"| {_md(cell.describe_starts() if ran else '')} | {wall} |"
-        )
-    failures = [(c, t) for c in report.cells for t in c.failures]
-    if failures:
-        lines += ["", "### Failures", "", "| cell | test | first line |", "|---|---|---|"]
-        for cell, test in failures[:max_rows]:
-            lines.append(f"| `{_md(cell.id)}` | `{_md(test.nodeid)}` | {_md(test.message)} |")
-        if len(failures) > max_rows:
-            lines.append(f"\n{len(failures) - max_rows} more failures in report.html.")
-    figures = [(c, f) for c in report.cells for f in c.figures]
-    if figures:
-        lines += [
-            "",
-            "### Figures",
-            "",
-            "| cell | figure | value | limit | |",
-            "|---|---|---|---|---|",
-        ]
-        for cell, figure in figures[:max_rows]:
-            limit = figure.get("limit")
-            shown = "" if limit is None else f"{figure.get('relation') or ''} {format_value(limit)}"
-            lines.append(
-                f"| `{_md(cell.id)}` | {_md(figure.get('name'))} "
-                f"| {_md(format_value(figure.get('value'), figure.get('unit')))} "
-                f"| {_md(shown)} | {figure_verdict(figure)} |"
-            )
-        if len(figures) > max_rows:
-            lines.append(f"\n{len(figures) - max_rows} more figures in report.html.")
-    return "\n".join(lines) + "\n"
-
-
-# --- junit.xml --------------------------------------------------------------------------------
-
-
-def merged_junit(report: MatrixReport) -> Any:
-    """One <testsuite> per cell that has results, named by its id; every test's classname is
-    prefixed with the cell id, so the same test of two cells stays two tests."""
-    from junitparser import Error, Failure, JUnitXml, Skipped, TestCase, TestSuite
-
-    merged = JUnitXml(name="glm5-matrix")
-    for cell in report.cells:
-        if cell.status == "not run":
-            continue
-        suite = TestSuite(f"{cell.id}")
-        suite.add_property("cell", cell.id)
-        for dist, version in sorted(cell.versions.items()):
-            suite.add_property(dist, version)
-        cases = _junit_cases(cell.folder / "junit.xml") if cell.folder else {}
-        if cases:
-            for case in cases.values():
-                case.classname = f"{cell.id}.{case.classname}" if case.classname else cell.id
-                suite.add_testcase(case)
-        else:  # a commands cell (lint) or a preflight skip: from results.json
-            for test in cell.tests:
-                case = TestCase(test.name, f"{cell.id}.{test.file}" if test.file else cell.id)
-                case.time = test.seconds
-                if test.outcome in FAILED_OUTCOMES:
-                    case.result = [Failure(test.message or test.outcome)]
-                elif test.outcome in ("skipped", "xfailed"):
-                    case.result = [Skipped(test.message or test.outcome)]
-                elif test.outcome in ("interrupted", "running"):  # never a pass
-                    case.result = [Error(f"{test.outcome}: the run ended during this test")]
-                suite.add_testcase(case)
-            if cell.status == "skipped" and not cell.tests:
-                case = TestCase("preflight", cell.id)
-                case.result = [Skipped(cell.reason)]
-                suite.add_testcase(case)
-        if cell.status == "interrupted":
-            case = TestCase("results complete", cell.id)
-            case.result = [Error(f"interrupted: {cell.reason}")]
-            suite.add_testcase(case)
-        elif cell.status == "failed" and not cell.failures:
-            case = TestCase("exit status", cell.id)
-            case.result = [Failure(cell.reason or "failed")]
-            suite.add_testcase(case)
-        suite.update_statistics()
-        merged.add_testsuite(suite)
-    merged.update_statistics()
-    return merged
-
-
-# --- writing ----------------------------------------------------------------------------------
-
-
-def write(report: MatrixReport, out: Path) -> list[Path]:
-    """report.md, report.html and junit.xml into `out`, each written beside its target and
-    renamed into place; other files in `out` (a screenshot) are left alone."""
-    from glm5_matrix.report_html import render
-
-    out.mkdir(parents=True, exist_ok=True)
-    staging = out / f".staging-{os.getpid()}"
-    staging.mkdir()
-    try:
-        (staging / "report.md").write_text(markdown(report))
-        (staging / "report.html").write_text(render(report))
-        merged_junit(report).write(str(staging / "junit.xml"), pretty=True)
-        written = []
-        for name in FILES:
-            os.replace(staging / name, out / name)
-            written.append(out / name)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return written
-
-
-def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "report",
-        help="the matrix report (report.md, report.html, merged junit.xml) from results/",
-        description=__doc__.split("\n\n")[0],
-    )
-    parser.add_argument("results", nargs="?", type=Path, help="results folder (default results/)")
-    parser.add_argument("--output", type=Path, help="where to write (default RESULTS/report)")
-    parser.add_argument("--matrix", type=Path, help="the matrix file (default: the checkout's)")
-    parser.add_argument(
-        "--check-browser",
-        action="store_true",
-        help="load report.html in headless Chromium: no console error, no request, every cell "
-        "and test on it; writes report.png beside it",
-    )
-    parser.set_defaults(func=_run)
-
-
-def _run(args: argparse.Namespace) -> int:
-    from glm5_matrix.matrix.profiles import repo_root
-
-    results_dir = args.results or results_base(os.environ)
-    out = args.output or results_dir / REPORT_DIR
-    matrix = load_matrix(args.matrix or repo_root() / MATRIX_FILE)
-    report = collect(matrix, results_dir, exclude=(out,))
-    for path in write(report, out):
-        print(f"wrote {path}")
-    print(report.headline())
-    if args.check_browser:
-        from glm5_matrix import browser
-
-        checked = browser.check_report(out / "report.html", report, out / "report.png")
-        print(checked.describe())
-        if not checked.ok:
-            return 1
-    return 0

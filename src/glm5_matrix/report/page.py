@@ -13,7 +13,7 @@ import json
 from html import escape
 from typing import Any
 
-from glm5_matrix.report import (
+from glm5_matrix.report.model import (
     CellReport,
     MatrixReport,
     TestResult,

@@ -1,0 +1,63 @@
+"""report.md: the matrix report short enough for a CI summary ($GITHUB_STEP_SUMMARY,
+`buildkite-agent annotate`)."""
+
+from __future__ import annotations
+
+from html import escape
+from typing import Any
+
+from glm5_matrix.matrix.matrix import MATRIX_FILE
+from glm5_matrix.report.model import MatrixReport, figure_verdict, format_value
+
+
+def _md(text: Any) -> str:
+    """A table cell: one line, pipes escaped, no HTML of a message rendered as HTML."""
+    return escape(str(text), quote=False).replace("\n", " ").replace("|", "\\|").strip()
+
+
+def markdown(report: MatrixReport, max_rows: int = 40) -> str:
+    """Short enough for $GITHUB_STEP_SUMMARY or `buildkite-agent annotate` (both take far more
+    than this: failures and figures are capped at `max_rows` rows each)."""
+    lines = [
+        "## glm5-matrix report",
+        "",
+        f"{report.headline()}.",
+        "",
+        "| cell | outcome | tests | engine starts | wall |",
+        "|---|---|---|---|---|",
+    ]
+    for cell in report.cells:
+        wall = cell.describe_wall()
+        name = cell.id if cell.in_matrix else f"{cell.id} (not in {MATRIX_FILE})"
+        ran = cell.status in ("passed", "failed") or bool(cell.tests)
+        lines.append(
+            f"| `{_md(name)}` | {_md(cell.label)} | {_md(cell.describe_tests() if ran else '')} "
+            f"| {_md(cell.describe_starts() if ran else '')} | {wall} |"
+        )
+    failures = [(c, t) for c in report.cells for t in c.failures]
+    if failures:
+        lines += ["", "### Failures", "", "| cell | test | first line |", "|---|---|---|"]
+        for cell, test in failures[:max_rows]:
+            lines.append(f"| `{_md(cell.id)}` | `{_md(test.nodeid)}` | {_md(test.message)} |")
+        if len(failures) > max_rows:
+            lines.append(f"\n{len(failures) - max_rows} more failures in report.html.")
+    figures = [(c, f) for c in report.cells for f in c.figures]
+    if figures:
+        lines += [
+            "",
+            "### Figures",
+            "",
+            "| cell | figure | value | limit | |",
+            "|---|---|---|---|---|",
+        ]
+        for cell, figure in figures[:max_rows]:
+            limit = figure.get("limit")
+            shown = "" if limit is None else f"{figure.get('relation') or ''} {format_value(limit)}"
+            lines.append(
+                f"| `{_md(cell.id)}` | {_md(figure.get('name'))} "
+                f"| {_md(format_value(figure.get('value'), figure.get('unit')))} "
+                f"| {_md(shown)} | {figure_verdict(figure)} |"
+            )
+        if len(figures) > max_rows:
+            lines.append(f"\n{len(figures) - max_rows} more figures in report.html.")
+    return "\n".join(lines) + "\n"
