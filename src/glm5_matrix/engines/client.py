@@ -34,6 +34,7 @@ from typing import Any
 
 from glm5_matrix.engines.prompts import random_prompt
 from glm5_matrix.engines.specs import EngineSpec, jit_monitor_args
+from glm5_matrix.engines.starts import account_start
 from glm5_matrix.engines.workers import (
     worker_compilation_seconds,
     worker_kv_layout,
@@ -46,7 +47,6 @@ from glm5_matrix.engines.workers import (
 )
 from glm5_matrix.kernels import kernel_cache
 from glm5_matrix.machine import processes
-from glm5_matrix.results.recorder import record_engine_start
 from glm5_matrix.verdicts.compare import GreedyOutput
 
 INSECURE_SERIALIZATION = "VLLM_ALLOW_INSECURE_SERIALIZATION"
@@ -100,13 +100,13 @@ class Engine:
             started = time.monotonic()
             self._llm = LLM(model=self.spec.model, **self.spec.args, **jit_monitor_args(self.spec))
             self.start_seconds = time.monotonic() - started
-            compiled = kernel_cache.written(before, kernel_cache.snapshot())
-            record_engine_start(
+            account_start(
                 self.spec.label,
                 self.start_seconds,
-                compile=kernel_cache.compile_record(compiled, self._compile_seconds()),
+                before,
+                self._compile_seconds,
+                f"the start of engine {self.spec.label}",
             )
-            kernel_cache.refuse_compiled(compiled, f"the start of engine {self.spec.label}")
         except BaseException:
             self.shutdown()
             raise

@@ -34,9 +34,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from glm5_matrix.engines.starts import account_start
 from glm5_matrix.kernels import kernel_cache
 from glm5_matrix.machine import processes, supervision
-from glm5_matrix.results import recorder
 
 HOST = "127.0.0.1"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -239,13 +239,13 @@ class VllmServer:
             left = self.startup_timeout - (time.monotonic() - self._launched_at)
             wait_healthy(self.url + "/health", self.proc, left, self.log_path)
             self.startup_seconds = time.monotonic() - self._launched_at
-            compiled = kernel_cache.written(self._caches_before, kernel_cache.snapshot())
-            recorder.record_engine_start(
+            account_start(
                 f"server:{self.label}",
                 self.startup_seconds,
-                compile=kernel_cache.compile_record(compiled, self.compile_seconds()),
+                self._caches_before,
+                self.compile_seconds,
+                f"the start of server {self.label}",
             )
-            kernel_cache.refuse_compiled(compiled, f"the start of server {self.label}")
         except BaseException:
             self.stop()
             raise

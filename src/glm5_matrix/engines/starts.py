@@ -1,0 +1,28 @@
+"""What every engine and server start does once it is up, in one place: count the kernel files
+the libraries' caches gained or rewrote since `before` (glm5_matrix.kernels.kernel_cache), record
+the start with what it compiled into the cell's results, and refuse it when it compiled under the
+kernel guard."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from glm5_matrix.kernels import kernel_cache
+from glm5_matrix.results.recorder import record_engine_start
+
+
+def account_start(
+    label: str,
+    seconds: float,
+    before: kernel_cache.Snapshot,
+    compile_seconds: Callable[[], float | None],
+    what: str,
+) -> None:
+    """Record the start `label` that took `seconds` (and the torch.compile seconds vLLM reports,
+    asked only now), then refuse it, naming `what` started, if the kernel guard is on and it
+    compiled."""
+    compiled = kernel_cache.written(before, kernel_cache.snapshot())
+    record_engine_start(
+        label, seconds, compile=kernel_cache.compile_record(compiled, compile_seconds())
+    )
+    kernel_cache.refuse_compiled(compiled, what)
