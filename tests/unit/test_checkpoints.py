@@ -15,19 +15,17 @@ import json
 import os
 import re
 import struct
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import pytest
+import scaffold
 from safetensors import deserialize, safe_open
 
 from glm5_matrix import checkpoints
 from glm5_matrix.checkpoints import copying, synthetic
 from glm5_matrix.errors import UserError
 
-SRC_DIR = Path(__file__).resolve().parents[2] / "src"
 LAYER = re.compile(r"^(model\.language_model\.layers|model\.layers)\.(\d+)\.(.+)$")
 FULL_LAYERS, MTP_LAYER = 45, 45
 
@@ -589,11 +587,15 @@ def test_one_based_linear_attention_lists_are_cut_as_one_based():
 
 def test_cli_refusal_exit_code_and_single_stderr_line(full_checkpoint, tmp_path):
     # The real console entry point, in a child process.
-    env = {**os.environ, "PYTHONPATH": str(SRC_DIR)}
-    result = subprocess.run(
-        [sys.executable, "-m", "glm5_matrix.cli", "prune", str(full_checkpoint), str(tmp_path / "x"), "--layers", "3"],
-        capture_output=True, text=True, env=env, timeout=120,
-    )  # fmt: skip
+    result = scaffold.run_cli(
+        "prune",
+        str(full_checkpoint),
+        str(tmp_path / "x"),
+        "--layers",
+        "3",
+        env=os.environ,
+        timeout=120,
+    )
     assert result.returncode == 2, result.stderr
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(

@@ -11,12 +11,12 @@ from __future__ import annotations
 import http.server
 import json
 import math
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from scaffold import serve_http
 
 from glm5_matrix.engines import disagg
 
@@ -174,15 +174,8 @@ class _Recorder(http.server.BaseHTTPRequestHandler):
 def recorder() -> Iterator[tuple[str, list[dict[str, Any]]]]:
     bodies: list[dict[str, Any]] = []
     handler = type("Handler", (_Recorder,), {"bodies": bodies})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with serve_http(handler) as server:
         yield f"http://127.0.0.1:{server.server_address[1]}", bodies
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
 
 
 def test_prefill_then_decode_request_flow(recorder: tuple[str, list[dict[str, Any]]]) -> None:

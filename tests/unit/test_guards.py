@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
+from scaffold import run_cli
 
 from glm5_matrix.matrix import guards
 from glm5_matrix.matrix.matrix import MATRIX_FILE, load_matrix
@@ -73,15 +73,7 @@ def test_nothing_guards_a_doc(matrix):
 
 
 def _cli(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    return subprocess.run(
-        [sys.executable, "-m", "glm5_matrix.cli", "affected", *args],
-        capture_output=True,
-        text=True,
-        input=stdin,
-        env=env,
-        timeout=60,
-    )
+    return run_cli("affected", *args, env=os.environ, stdin=stdin, timeout=60)
 
 
 def test_cli_prints_one_cell_per_line():

@@ -11,21 +11,13 @@ import time
 from pathlib import Path
 
 import pytest
+from scaffold import KERNEL_KEY, run_cli
 
 from glm5_matrix.errors import UserError
 from glm5_matrix.kernels import kernel_archive, kernel_cache
 from glm5_matrix.matrix.profiles import repo_root
 
-KEY = {
-    "python": "3.12",
-    "vllm": "0.33.0",
-    "flashinfer-python": "0.7.2.post1",
-    "torch": "2.14.0",
-    "triton": "3.8.0",
-    "tilelang": "0.1.12",
-    "cuda": "13.0",
-    "gpu_arch": "sm90",
-}
+KEY = KERNEL_KEY
 FILES = {
     "flashinfer/.cache/flashinfer/0.7.2.post1/90a/cached_ops/fused_moe_90/a.cuda.o": b"o" * 5000,
     "flashinfer/.cache/flashinfer/0.7.2.post1/90a/cached_ops/fused_moe_90/.ninja_log": b"# log\n",
@@ -238,14 +230,8 @@ def test_two_imports_at_once_both_end_complete(tmp_path: Path) -> None:
 
 def _cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("GLM5_")}
-    environ.update(env, PYTHONPATH=str(repo_root() / "src"))
-    return subprocess.run(
-        [sys.executable, "-m", "glm5_matrix.cli", "kernel-cache", *args],
-        capture_output=True,
-        text=True,
-        env=environ,
-        timeout=120,
-    )
+    environ.update(env)
+    return run_cli("kernel-cache", *args, env=environ, timeout=120)
 
 
 def test_the_command_exports_imports_and_refuses_another_gpu(tmp_path: Path) -> None:

@@ -9,20 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from scaffold import KERNEL_KEY
 
 from glm5_matrix.cache import CACHE_VARIABLE
 from glm5_matrix.kernels import kernel_cache
 
-KEY = {
-    "python": "3.12",
-    "vllm": "0.33.0",
-    "flashinfer-python": "0.7.2.post1",
-    "torch": "2.14.0",
-    "triton": "3.8.0",
-    "tilelang": "0.1.12",
-    "cuda": "13.0",
-    "gpu_arch": "sm90",
-}
+KEY = KERNEL_KEY
 
 
 @pytest.fixture

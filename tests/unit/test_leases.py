@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from scaffold import nox_installed, run_nox
 
 from glm5_matrix.errors import UserError
 from glm5_matrix.machine import hardware, leases
@@ -367,19 +368,7 @@ def nox(root: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
         LEASE_TEST_OUT=str(root.parent / "out"),
         **env,
     )
-    return subprocess.run(
-        [sys.executable, "-m", "nox", "-f", str(root / "noxfile.py"), *args],
-        capture_output=True,
-        text=True,
-        env=environ,
-        timeout=300,
-    )
-
-
-nox_installed = pytest.mark.skipif(
-    subprocess.run([sys.executable, "-m", "nox", "--version"], capture_output=True).returncode,
-    reason="nox is not installed in this interpreter",
-)
+    return run_nox(root, args, environ, timeout=300)
 
 
 def ran(root: Path, name: str) -> dict:

@@ -11,14 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from scaffold import nox_installed, run_nox
 
 from glm5_matrix.matrix.profiles import repo_root
 
 ROOT = repo_root()
-pytestmark = pytest.mark.skipif(
-    subprocess.run([sys.executable, "-m", "nox", "--version"], capture_output=True).returncode,
-    reason="nox is not installed in this interpreter",
-)
+pytestmark = nox_installed
 
 
 _RESULTS: list[Path] = []
@@ -37,13 +35,7 @@ def nox(*args: str, root: Path = ROOT, **env: str) -> subprocess.CompletedProces
     environ = {k: v for k, v in os.environ.items() if not k.startswith("GLM5_")}
     environ["GLM5_MATRIX_RESULTS"] = str(_RESULTS[-1])
     environ.update(env)
-    return subprocess.run(
-        [sys.executable, "-m", "nox", "-f", str(root / "noxfile.py"), *args],
-        capture_output=True,
-        text=True,
-        env=environ,
-        timeout=120,
-    )
+    return run_nox(root, args, environ, timeout=120)
 
 
 def test_json_listing_has_every_cell_with_tags():

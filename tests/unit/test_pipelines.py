@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from scaffold import run_cli
 
 from glm5_matrix.matrix.matrix import MATRIX_FILE, load_matrix
 from glm5_matrix.matrix.profiles import repo_root
@@ -38,14 +39,7 @@ def check_jsonschema(kind: str, path: Path) -> subprocess.CompletedProcess[str]:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "glm5_matrix.cli", "pipeline", *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
-        cwd=ROOT,
-        timeout=120,
-    )
+    return run_cli("pipeline", *args, env=os.environ, cwd=ROOT, timeout=120)
 
 
 @pytest.mark.parametrize("kind", ["buildkite", "github"])

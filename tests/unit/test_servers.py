@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from scaffold import serve_http
 
 from glm5_matrix.engines import servers
 from glm5_matrix.machine import processes
@@ -415,7 +416,6 @@ def test_worker_rpc_posts_the_method_and_string_arguments(tmp_path: Path) -> Non
     error as a ServerError naming the method."""
     import http.server
     import json
-    import threading
 
     seen: list[dict] = []
 
@@ -437,10 +437,7 @@ def test_worker_rpc_posts_the_method_and_string_arguments(tmp_path: Path) -> Non
         def log_message(self, *args: object) -> None:
             pass
 
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with serve_http(Handler) as httpd:
         server = servers.VllmServer("p", tmp_path, log_dir=tmp_path)
         server.port = httpd.server_address[1]
         assert server.worker_rpc("glm5_page_digests", '[["l", 3]]') == [[["d1", "d2"]]]
@@ -448,6 +445,3 @@ def test_worker_rpc_posts_the_method_and_string_arguments(tmp_path: Path) -> Non
         assert seen[0]["method"] == "glm5_page_digests" and seen[0]["args"] == ['[["l", 3]]']
         with pytest.raises(servers.ServerError, match="p: /collective_rpc broken: HTTP 500"):
             server.worker_rpc("broken")
-    finally:
-        httpd.shutdown()
-        httpd.server_close()

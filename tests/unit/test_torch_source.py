@@ -14,13 +14,13 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote
 
 import pytest
+from scaffold import serve_http
 
 from glm5_matrix.envs import environments, torch_source
 from glm5_matrix.envs.torch_source import VARIABLE, TorchSource
@@ -240,17 +240,8 @@ def pytorch_like_index(tmp_path_factory) -> Iterator[tuple[str, list[str]]]:
     )
     requests: list[str] = []
     handler = type("Handler", (RecordingHandler,), {"requests": requests})
-    server = http.server.ThreadingHTTPServer(
-        ("127.0.0.1", 0), functools.partial(handler, directory=str(root))
-    )
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with serve_http(functools.partial(handler, directory=str(root))) as server:
         yield f"http://127.0.0.1:{server.server_address[1]}/whl/cpu", requests
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
 
 
 def torch_only_env(tmp_path: Path, index_url: str) -> environments.EnvDefinition:
