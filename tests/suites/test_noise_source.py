@@ -1,6 +1,6 @@
 """Where the engine's own noise comes from (issue 27, point 4): the same request twice on the same
-engine, every module call traced (glm5_matrix.worker_trace: digests of each call's inputs and
-output, in the worker), and the first call at which the two runs part (glm5_matrix.divergence).
+engine, every module call traced (glm5_matrix.engines.worker_trace: digests of each call's inputs and
+output, in the worker), and the first call at which the two runs part (glm5_matrix.verdicts.divergence).
 
 On vLLM's CPU build the two runs are bitwise equal and the trace shows no divergence; on an H200
 the logits differ by a bf16 step or two, and the trace names the module where that starts. The
@@ -21,17 +21,17 @@ from typing import Any
 
 import pytest
 
-from glm5_matrix import compare, divergence, judging
-from glm5_matrix.context import CellContext
-from glm5_matrix.engine_configs import noise_specs
-from glm5_matrix.engines import Engine, resolve_class
-from glm5_matrix.profiles import Profile
-from glm5_matrix.results import record_figure
-from glm5_matrix.worker_trace import (
+from glm5_matrix.engines.client import Engine, resolve_class
+from glm5_matrix.engines.engine_configs import noise_specs
+from glm5_matrix.engines.worker_trace import (
     worker_attention_backends,
     worker_start_trace,
     worker_stop_trace,
 )
+from glm5_matrix.matrix.context import CellContext
+from glm5_matrix.matrix.profiles import Profile
+from glm5_matrix.results.recorder import record_figure
+from glm5_matrix.verdicts import compare, divergence, judging
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("no_surviving_children")]
 
@@ -96,8 +96,10 @@ def test_where_identical_runs_part(engine: Engine, profile: Profile) -> None:
     record_figure("noise.worst_delta", max(deltas), unit="logprob")
     found = divergence.first_divergence(trace_a, trace_b)
     equal = _bitwise(first, second)
-    print(f"{len(prompt)} prompt tokens, {max_tokens} tokens, {len(trace_a)} module calls; "
-          f"outputs {'bitwise equal' if equal else f'differ by up to {max(deltas):.4g}'}")
+    print(
+        f"{len(prompt)} prompt tokens, {max_tokens} tokens, {len(trace_a)} module calls; "
+        f"outputs {'bitwise equal' if equal else f'differ by up to {max(deltas):.4g}'}"
+    )
     if found is None:
         record_figure("noise.first_divergence", None)
         print("the two traces are equal call for call")

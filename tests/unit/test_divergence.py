@@ -1,10 +1,10 @@
-"""glm5_matrix.divergence: where two traces of one request part."""
+"""glm5_matrix.verdicts.divergence: where two traces of one request part."""
 
 from __future__ import annotations
 
 import pytest
 
-from glm5_matrix.divergence import first_divergence, plant_site
+from glm5_matrix.verdicts.divergence import first_divergence, plant_site
 
 
 def _call(module: str, call: int, inputs: str, output: str, leaf: bool = True) -> dict:

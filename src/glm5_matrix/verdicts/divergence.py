@@ -1,4 +1,4 @@
-"""Where two traces of the same request part (pure; glm5_matrix.worker_trace records them).
+"""Where two traces of the same request part (pure; glm5_matrix.engines.worker_trace records them).
 
 A trace is the list of a model's module calls in the order they completed, each with digests of
 its inputs and of its output. Two runs of one request on one engine make the same calls; the
@@ -53,8 +53,7 @@ def first_divergence(a: Sequence[Record], b: Sequence[Record]) -> Divergence | N
             min(len(a), len(b)),
         )
         raise ValueError(
-            f"the traces made other calls: {len(a)} and {len(b)} calls, first other at "
-            f"{mismatch}"
+            f"the traces made other calls: {len(a)} and {len(b)} calls, first other at {mismatch}"
         )
     differing = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x["output"] != y["output"]]
     if not differing:

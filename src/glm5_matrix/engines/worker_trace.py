@@ -5,7 +5,7 @@ The same request twice on the same engine gives logits one or two bf16 steps apa
 Which kernel makes them differ? A forward hook on every module of the model records, per call
 in the order the calls complete (a module after the modules it calls), the module's name and
 class, a sha256 of the bytes of its tensor inputs and one of its tensor outputs. Two traces of
-the same request are compared by glm5_matrix.divergence: the first call whose output differs
+the same request are compared by glm5_matrix.verdicts.divergence: the first call whose output differs
 while everything before it was equal is where the noise starts.
 
 The instrument has a control: `plant` names a module call whose output gets one bit flipped
@@ -76,7 +76,9 @@ def _flip_first_bit(output: Any) -> Any:
     return output
 
 
-def _hook(state: dict[str, Any], name: str, module: Any, args: Any, kwargs: Any, output: Any) -> Any:
+def _hook(
+    state: dict[str, Any], name: str, module: Any, args: Any, kwargs: Any, output: Any
+) -> Any:
     index = len(state["records"])
     plant = state["plant"]
     planted = plant is not None and plant == [name, state["calls"].get(name, 0)]
