@@ -64,5 +64,5 @@ def test_plant_site_is_the_first_leaf_with_a_tensor_output_under_the_name():
     assert plant_site(TRACE, "layers.1.") == ("model.layers.1.norm", 0)
     no_output = _with(TRACE, 3, output="")
     assert plant_site(no_output, "layers.1.") == ("model.layers.1.proj", 0)
-    with pytest.raises(ValueError, match="layers.7."):
+    with pytest.raises(ValueError, match=r"layers.7."):
         plant_site(TRACE, "layers.7.")

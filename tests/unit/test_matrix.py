@@ -26,6 +26,7 @@ GPU_VARIANTS = {
     "offload-tp1(simple)",
     "offload-tp1(offloading)",
     "dflash-tp1",
+    "noise-tp1",
     "pd-nixl",
 }
 CPU_CELLS = {"e2e-cpu", "pd-nixl-cpu", "layout", "unit", "lint", "metadata", "faults"}

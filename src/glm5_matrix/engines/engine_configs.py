@@ -208,7 +208,7 @@ def for_cell(cell: CellContext, profile: Profile) -> list[Config]:
     if cell.suite == "noise":
         # The batch-invariant engine is left out: vLLM 0.33 refuses the mode for this model (its
         # GDN and sparse-MLA backends declare no support), so the suite never starts it.
-        return noise_specs(cell, profile)[:1]
+        return [noise_specs(cell, profile)[0]]
     raise UserError(f"cell {cell.id}: suite {cell.suite!r} starts no engine, nothing to warm")
 
 
