@@ -43,15 +43,45 @@ def layer_caches(worker: Any) -> dict[str, list[Any]]:
     return caches
 
 
-def block_rows(view: Any, num_blocks: int, block: int) -> Any:
-    """The rows of a block-major cache view that hold scheduler block `block`."""
+def block_rows(view: Any, num_blocks: int, block: int, block_stride: int = 0) -> Any:
+    """The rows of a cache view that hold scheduler block `block`.
+
+    `block_stride` is the bytes from one block to the next in the view's buffer (the
+    KVCacheTensor's block_stride; 0 where vLLM does not say). Two shapes occur:
+    - a packed buffer (vLLM 0.33's BLHNC on the H200: one allocation, each block holding every
+      layer's page): row r of the view lies `row bytes` after row r - 1, so a block spans
+      stride = block_stride / row bytes rows, of which its own page is the first per_block; the
+      view has (num_blocks - 1) * stride + per_block rows. GLM's kpool indexer is viewed so, in
+      kernel pages that step over the other layers' pages (vLLM's
+      AttentionGroup.map_kv_cache_to_kernel_blocks); a Mamba state has stride 1;
+    - a block-major view without a block stride (the CPU build): ratio x num_blocks rows, ratio
+      kernel blocks per scheduler block."""
     rows = int(view.shape[0])
-    if rows % num_blocks:
-        raise RuntimeError(
-            f"cache view {tuple(view.shape)} is not block-major over {num_blocks} blocks"
-        )
-    ratio = rows // num_blocks
-    return view[block * ratio : (block + 1) * ratio]
+    if not 0 <= block < num_blocks:
+        raise ValueError(f"block {block} outside 0..{num_blocks - 1}")
+    row_bytes = int(view.stride(0)) * int(view.element_size()) if view.ndim else 0
+    if block_stride and row_bytes and block_stride % row_bytes == 0:
+        stride = block_stride // row_bytes
+        per_block = rows - (num_blocks - 1) * stride
+        if 1 <= per_block <= stride:
+            return view[block * stride : block * stride + per_block]
+    if rows % num_blocks == 0:
+        ratio = rows // num_blocks
+        return view[block * ratio : (block + 1) * ratio]
+    raise RuntimeError(
+        f"cache view {tuple(view.shape)} (row {row_bytes} B, block stride {block_stride} B) is "
+        f"neither packed nor block-major over {num_blocks} blocks"
+    )
+
+
+def block_strides(worker: Any) -> dict[str, int]:
+    """{layer name: its KVCacheTensor's block_stride in bytes} (0 where vLLM sets none)."""
+    config = worker.model_runner.kv_cache_config
+    return {
+        name: int(getattr(tensor, "block_stride", 0) or 0)
+        for tensor in config.kv_cache_tensors
+        for name in tensor.layers
+    }
 
 
 def page_digest(page: Any) -> str:
@@ -68,8 +98,12 @@ def worker_page_digests(worker: Any, layer_blocks: list[tuple[str, int]]) -> lis
     target = getattr(worker, "worker", worker)  # the worker behind a WorkerWrapperBase
     caches = layer_caches(target)
     num_blocks = int(target.model_runner.kv_cache_config.num_blocks)
+    strides = block_strides(target)
     return [
-        [page_digest(block_rows(view, num_blocks, int(block))) for view in caches[name]]
+        [
+            page_digest(block_rows(view, num_blocks, int(block), strides.get(name, 0)))
+            for view in caches[name]
+        ]
         for name, block in layer_blocks
     ]
 
