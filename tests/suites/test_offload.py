@@ -2,10 +2,10 @@
 reference_repeats times: the noise as a distribution), the GPU prefix-cache repeat (as many
 times), wait (bounded) until the asynchronous offload stores are done and reset_prefix_cache()
 succeeds, then warm generate: the prompt must come back from the CPU side (external prefix-cache
-hits), and the output must agree with the repeat and the cold run up to the engine's own noise,
-while a prompt whose restored block holds other tokens is rejected by the same rule with at
-least the profile's min_power. Both connectors need a CUDA GPU (their worker side refuses the
-CPU platform)."""
+hits), the restored pages must be the stored ones byte for byte, and the output must agree with
+the GPU repeat up to the engine's own noise, while a prompt whose restored block holds other
+tokens is rejected by the same rule with at least the profile's min_power. Both connectors need
+a CUDA GPU (their worker side refuses the CPU platform)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from glm5_matrix.engines.prompts import with_other_tokens
 from glm5_matrix.matrix.context import CellContext
 from glm5_matrix.matrix.profiles import Profile
 from glm5_matrix.results.recorder import record_figure
-from glm5_matrix.verdicts import judging, transfers
+from glm5_matrix.verdicts import compare, judging, transfers
 from glm5_matrix.verdicts.layout import LayoutPlan, plan_layout
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("no_surviving_children")]
@@ -95,7 +95,7 @@ def test_offload_round_trip(engine: Engine, profile: Profile, plan: LayoutPlan) 
 
     # Cold, reference_repeats times, from an empty GPU cache and an empty CPU store: the cold
     # noise.
-    cold, cold_floor = judging.reference_repeated(
+    cold, _cold_floor = judging.reference_repeated(
         engine,
         prompt,
         max_tokens,
@@ -145,17 +145,24 @@ def test_offload_round_trip(engine: Engine, profile: Profile, plan: LayoutPlan) 
     with pytest.raises(AssertionError, match="differ"):
         transfers.check_copied(stored, transfers.swapped(restored))
     # The restored blocks are the GPU's bytes: the warm run resumes from the same state along
-    # the same path as the GPU prefix-cache repeat (judged by the repeats' noise), and keeps the
-    # cold run's tokens where the cold run is decisive (from a cached boundary the prefill has
-    # other step shapes than cold: another path, as test_e2e's repeat).
+    # the same path as the GPU prefix-cache repeat, judged by the repeats' noise. Against the
+    # cold run (a full prefill: another path, as test_e2e's repeat) the differences are
+    # recorded, not judged: on the H200 the cold runs' own noise (the sparse indexer's top-k,
+    # whose output order follows atomics: tests/suites/test_noise_source.py) left no decisive
+    # step to compare (cold tolerance 0.82 against a first-step margin of 0.125), so a token
+    # rule there could neither pass nor reject for a reason; the byte check above is what
+    # shows the restore exact.
     repeat_floor.agrees(repeats[0], warm, ("GPU repeat", "warm from CPU"))
-    cold_floor.tokens_agree(cold, warm, ("cold", "warm from CPU"))
+    record_figure(
+        "offload.cold_vs_warm_step_deltas",
+        [round(d, 6) for d in compare.step_deltas(cold, warm, len(cold.token_ids))],
+        unit="nats",
+    )
     # What a restore of wrong or stale bytes amounts to: the prompt whose restored block holds
-    # other tokens. Both comparisons must reject it.
+    # other tokens. The comparison must reject it with at least min_power.
     changed = round(float(tolerances["control_changed_blocks"]) * block)
     stale_prompt = with_other_tokens(
         prompt, block - changed, block, engine.vocab_size(), int(prompts["seed"]) + 1
     )
     stale = engine.generate_scored(stale_prompt, max_tokens, TOP_LOGPROBS)
     repeat_floor.rejects(repeats[0], stale, ("GPU repeat", "stale block"))
-    cold_floor.rejects_by_token(cold, stale, ("cold", "stale block"))
