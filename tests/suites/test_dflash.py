@@ -182,7 +182,9 @@ def test_greedy_matches_target_only(target_only: TargetOnly, drafted_run: Drafte
     rounding, recorded as a distribution and not judged. The control (the target's runner-up
     accepted, what a broken verification does) is rejected by its token."""
     comparison = target_only.comparison
-    comparison.tokens_agree(target_only.output, drafted_run.output, ("target-only", "DFlash2"))
+    comparison.tokens_agree(
+        target_only.output, drafted_run.output, ("target-only", "DFlash2"), along_path=True
+    )
     comparison.rejects_by_token(
         target_only.output, target_only.control, ("target-only", "runner-up accepted")
     )

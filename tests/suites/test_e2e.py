@@ -361,9 +361,12 @@ def _boundary_pages(
 def test_mtp_matches_target_only(engine: Engine, cell: CellContext, profile: Profile) -> None:
     """The MTP drafter loads, and greedy output with it chooses the target-only run's tokens
     (greedy speculative decoding is lossless) at every step until the first one the target-only
-    run wins by no more than its own noise (the target alone done reference_repeats times). The
-    target verifies a drafted token in a two-token pass, so MTP's logprobs differ from the
-    target's by rounding: recorded as a distribution, not judged. The control accepts the
+    run wins by no more than its own noise (the target alone done reference_repeats times) or
+    than the two runs' scores already differed on the same tokens at the steps before (the
+    target verifies a drafted token in a two-token pass: other shapes, other rounding, which the
+    target alone repeated cannot show; on the H200 the 512-token target alone was bitwise six
+    times, and MTP parted at a 2-step margin). MTP's logprob differences are recorded as a
+    distribution, not judged. The control accepts the
     target's runner-up at a decisive step, what a broken verification of drafted tokens does,
     and must be rejected by its token. Last in the module: it stops the shared engine first, so
     that two engines are never alive at once in this process."""
@@ -386,5 +389,5 @@ def test_mtp_matches_target_only(engine: Engine, cell: CellContext, profile: Pro
             == speculative["num_speculative_tokens"]
         )
         with_mtp = drafted.generate_scored(prompt, max_tokens, TOP_LOGPROBS)
-    comparison.tokens_agree(target, with_mtp, ("target-only", "MTP"))
+    comparison.tokens_agree(target, with_mtp, ("target-only", "MTP"), along_path=True)
     comparison.rejects_by_token(target, control, ("target-only", "runner-up accepted"))

@@ -372,3 +372,47 @@ def test_the_token_rule_refuses_a_short_run_and_a_negative_tolerance() -> None:
         compare.check_tokens_while_decisive(reference, short, STEP, ("target", "MTP"))
     with pytest.raises(ValueError, match="must be >= 0"):
         compare.check_tokens_while_decisive(reference, reference, -1.0, ("a", "b"))
+
+
+def test_along_a_path_the_bar_is_what_the_paths_moved_the_scores_by_before() -> None:
+    """A drafter's verification pass rounds otherwise: scores 3 steps apart at steps 0 and 1
+    (same tokens), then a parting at step 2 where the reference wins by 2 steps. Within the
+    reference's own noise alone (one step) that parting is decisive; along the path it lies
+    within the 3 steps the paths already differed by, and the comparison stops there."""
+    reference = scored(
+        [1, 1, 5],
+        [{1: -1.0, 2: -3.0}, {1: -1.0, 2: -3.0}, {5: -1.0, 6: -1.0 - 2 * STEP, 7: -4.0}],
+    )
+    drafted = scored(
+        [1, 1, 6],
+        [
+            {1: -1.0 - 3 * STEP, 2: -3.0},
+            {1: -1.0, 2: -3.0 + 3 * STEP},
+            {6: -1.0, 5: -1.0 - STEP, 7: -4.0},
+        ],
+    )
+    with pytest.raises(AssertionError, match="step 2: target chose 5, MTP 6"):
+        compare.check_tokens_while_decisive(reference, drafted, STEP, ("target", "MTP"))
+    found = compare.check_tokens_while_decisive(
+        reference, drafted, STEP, ("target", "MTP"), along_path=True
+    )
+    assert (found.compared, found.stopped_at) == (2, 2)
+    assert found.bar == pytest.approx(3 * STEP)
+    assert "the paths' own difference 0.0938" in found.describe(STEP)
+
+
+def test_along_a_path_a_jump_at_the_parting_step_itself_is_not_excused() -> None:
+    """The bar comes from the steps before only: scores equal until step 2, where the run's
+    scores move by 8 steps and it takes the reference's runner-up (won by 2 steps): what a
+    corrupted verification does. It fails at step 2, as without the path."""
+    before = [{1: -1.0, 2: -3.0}, {1: -1.0, 2: -3.0}]
+    reference = scored([1, 1, 5], [*before, {5: -1.0, 6: -1.0 - 2 * STEP, 7: -4.0}])
+    jumped = scored([1, 1, 6], [*before, {6: -1.0 + 6 * STEP, 5: -1.0, 7: -4.0}])
+    with pytest.raises(AssertionError, match="step 2: target chose 5, MTP 6"):
+        compare.check_tokens_while_decisive(
+            reference, jumped, STEP, ("target", "MTP"), along_path=True
+        )
+    same = compare.check_tokens_while_decisive(
+        reference, reference, STEP, ("target", "MTP"), along_path=True
+    )
+    assert same == compare.TokenAgreement(3, 3, None, None) and same.bar is None

@@ -147,6 +147,9 @@ def test_tokens_agree_fails_on_a_changed_token_and_records_it() -> None:
     with pytest.raises(AssertionError, match="step 4: target-only chose"):
         comparison.tokens_agree(runs[0], greedy(changed), ("target-only", "DFlash2"))
     assert "step 4" in _figures()["dflash.dflash2.token_mismatch"].value
+    # The differences up to and with the parting step, the evidence of what parted them.
+    deltas = _figures()["dflash.dflash2.step_deltas"].value
+    assert len(deltas) == 5 and deltas[:4] == [0.0] * 4 and deltas[4] > 0
 
 
 def test_rejects_by_token() -> None:

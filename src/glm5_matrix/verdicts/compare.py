@@ -141,8 +141,10 @@ class GreedyOutput:
 # 5. Runs the model computes along another path (a drafter's verification batch) are not held to
 #    the repeat's noise: greedy speculative decoding is lossless, so their TOKENS must equal the
 #    reference's at every step until the first one the reference itself wins by no more than
-#    the tolerance (check_tokens_while_decisive). Their logprob differences are recorded, never
-#    bounded by a constant. Runs whose arithmetic is the reference's own are compared bitwise
+#    the tolerance (check_tokens_while_decisive), or, for a drafter (along_path), than the two
+#    runs' scores already differed at the steps before, on the same tokens: the verification
+#    pass rounds otherwise, which the reference's repeats cannot show. Their logprob differences
+#    are recorded, never bounded by a constant. Runs whose arithmetic is the reference's own are compared bitwise
 #    (check_exact).
 
 BF16_STORED_MANTISSA_BITS = 7
@@ -431,48 +433,69 @@ class TokenAgreement:
 
     compared: int  # leading steps whose tokens were compared (all equal)
     total: int
-    stopped_at: int | None  # the first step the reference wins by no more than the tolerance
+    stopped_at: int | None  # the first step the reference wins by no more than the bar
     stop_margin: float | None  # the reference's margin there
+    bar: float | None = None  # where the bar rose above the tolerance (along_path): its value
 
     def describe(self, tolerance: float) -> str:
         text = f"{self.compared} of {self.total} tokens compared, all equal"
         if self.stopped_at is not None and self.stop_margin is not None:
+            if self.bar is not None and self.bar > tolerance:
+                within = (
+                    f"the paths' own difference {self.bar:.4f} on the same tokens before it "
+                    f"(tolerance {tolerance:.4f})"
+                )
+            else:
+                within = f"tolerance {tolerance:.4f}"
             text += (
                 f"; stopped at step {self.stopped_at}, where the reference's own choice wins by "
-                f"{self.stop_margin:.4f} <= tolerance {tolerance:.4f} (within the noise: from "
-                "there a faithful run may choose otherwise, and its inputs differ)"
+                f"{self.stop_margin:.4f} <= {within} (within the noise: from there a faithful "
+                "run may choose otherwise, and its inputs differ)"
             )
         return text
 
 
 def check_tokens_while_decisive(
-    reference: Scored, run: Scored, tolerance: float, names: tuple[str, str]
+    reference: Scored,
+    run: Scored,
+    tolerance: float,
+    names: tuple[str, str],
+    along_path: bool = False,
 ) -> TokenAgreement:
     """`run`'s tokens equal `reference`'s at every step until the first one whose greedy choice
-    the reference wins by no more than `tolerance` (its margin over the best other candidate;
-    margins()); there the comparison stops. An AssertionError names a token that differs at a
-    decisive step, or a run too short to reach one."""
+    the reference wins by no more than the bar (its margin over the best other candidate;
+    margins()); there the comparison stops. The bar is `tolerance` (the reference's own noise).
+    With `along_path` (a drafter: the target verifies drafted tokens in a pass of other shapes,
+    whose rounding the reference's repeats cannot show) it is also at least the largest
+    difference the two runs showed at the steps before (step_deltas), where both had the same
+    tokens: what the other path already moved the same model's scores by. A step's own
+    difference never raises its own bar, so a run whose scores jump at one step fails there.
+    An AssertionError names a token that differs at a decisive step, or a run too short."""
     if not tolerance >= 0.0:
         raise ValueError(f"tolerance {tolerance} must be >= 0")
     total = len(reference.token_ids)
+    bar = tolerance
     for step, margin in enumerate(margins(reference)):
-        if margin <= tolerance:
-            return TokenAgreement(step, total, step, margin)
+        if margin <= bar:
+            return TokenAgreement(step, total, step, margin, bar if bar > tolerance else None)
         if step >= len(run.token_ids):
             raise AssertionError(
                 f"{names[1]} has {len(run.token_ids)} tokens; {names[0]}'s step {step} is "
-                f"decisive (margin {margin:.4f} > tolerance {tolerance:.4f})"
+                f"decisive (margin {margin:.4f} > bar {bar:.4f})"
             )
         chosen, other = reference.token_ids[step], run.token_ids[step]
         if chosen != other:
             scored = run.top_logprobs[step] if step < len(run.top_logprobs) else {}
+            path = f", the paths' own difference before it {bar:.4f}" if bar > tolerance else ""
             raise AssertionError(
                 f"step {step}: {names[0]} chose {chosen}, {names[1]} {other}, where {names[0]} "
-                f"wins by {margin:.4f} > tolerance {tolerance:.4f} (a decisive step: greedy "
-                f"decoding of the same model must choose the same); {names[1]} scored "
+                f"wins by {margin:.4f} > tolerance {tolerance:.4f}{path} (a decisive step: "
+                f"greedy decoding of the same model must choose the same); {names[1]} scored "
                 f"{dict(scored)}{_shown(reference, run, names)}"
             )
-    return TokenAgreement(total, total, None, None)
+        if along_path:
+            bar = max(bar, step_deltas(reference, run, step + 1)[step])
+    return TokenAgreement(total, total, None, None, bar if bar > tolerance else None)
 
 
 def step_deltas(reference: Scored, run: Scored, steps: int) -> list[float]:

@@ -109,27 +109,55 @@ class Comparison:
         return reason
 
     def tokens_agree(
-        self, reference: Scored, run: Scored, names: tuple[str, str]
+        self,
+        reference: Scored,
+        run: Scored,
+        names: tuple[str, str],
+        along_path: bool = False,
     ) -> TokenAgreement:
-        """`run` (along another path: a drafter's verification) chooses the reference's tokens at
-        every decisive step (compare.check_tokens_while_decisive under the floor's tolerance);
-        printed and recorded, with the per-step logprob differences over the compared steps as
-        a distribution (recorded, not judged)."""
+        """`run` (along another path: a cached boundary, a drafter's verification) chooses the
+        reference's tokens at every decisive step (compare.check_tokens_while_decisive under the
+        floor's tolerance; with `along_path`, a drafter's, also above the differences the two
+        runs showed on the same tokens before); printed and recorded, with the per-step logprob
+        differences over the compared steps as a distribution (recorded, not judged)."""
         tolerance = self.floor.tolerance
         label = f"{self.name}.{_slug(names[1])}"
         try:
-            found = compare.check_tokens_while_decisive(reference, run, tolerance, names)
+            found = compare.check_tokens_while_decisive(
+                reference, run, tolerance, names, along_path=along_path
+            )
         except AssertionError as failed:
             record_figure(f"{label}.token_mismatch", str(failed).split("\n")[0][:300])
+            # The differences up to the parting (the same tokens before it): evidence for
+            # telling a path's rounding from a defect.
+            shared = 0
+            while (
+                shared < min(len(reference.token_ids), len(run.token_ids))
+                and reference.token_ids[shared] == run.token_ids[shared]
+            ):
+                shared += 1
+            steps = min(shared + 1, len(reference.token_ids), len(run.token_ids))
+            record_figure(
+                f"{label}.step_deltas",
+                [round(d, 6) for d in compare.step_deltas(reference, run, steps)],
+                unit="nats",
+            )
             raise
         print(f"{self.name}: {names[0]} vs {names[1]}: {found.describe(tolerance)}")
+        if found.bar is not None:
+            record_figure(f"{label}.path_bar", round(found.bar, 6), unit="nats")
         record_figure(f"{label}.tokens_compared", found.compared, limit=found.total, unit="tokens")
         if found.stopped_at is not None and found.stop_margin is not None:
             record_figure(f"{label}.stopped_at", found.stopped_at, unit="step")
             record_figure(
                 f"{label}.stop_reason",
                 f"the reference's margin {found.stop_margin:.6f} at step {found.stopped_at} is "
-                f"within the tolerance {tolerance:.6f}",
+                f"within the tolerance {tolerance:.6f}"
+                + (
+                    f" or the paths' own difference before it {found.bar:.6f}"
+                    if found.bar is not None
+                    else ""
+                ),
             )
         deltas = compare.step_deltas(reference, run, found.compared)
         if deltas:
