@@ -10,7 +10,13 @@ from typing import Any
 
 import pytest
 
-from glm5_matrix.engines.client import Engine, groups_of, resolve_class, spec_classes
+from glm5_matrix.engines.client import (
+    Engine,
+    block_size_of,
+    groups_of,
+    resolve_class,
+    spec_classes,
+)
 from glm5_matrix.engines.engine_configs import e2e_specs
 from glm5_matrix.engines.prompts import with_other_tokens
 from glm5_matrix.matrix.context import CellContext
@@ -45,13 +51,6 @@ def _groups_of(layout: dict[str, Any], spec_name: str) -> list[dict[str, Any]]:
     return groups_of(layout, getattr(kv_cache_interface, spec_name))
 
 
-def _block_size(layout: dict[str, Any]) -> int:
-    """The block size of the prefix-cacheable groups (GLM's tail ring has its own, per request)."""
-    sizes = {g["block_size"] for g in layout["groups"] if g.get("prefix_cacheable", True)}
-    assert len(sizes) == 1, f"KV groups disagree on the block size: {sorted(sizes)}"
-    return sizes.pop()
-
-
 def _prompt(profile: Profile, engine: Engine, length: int) -> list[int]:
     return engine.random_prompt(length, int(profile.section("prompts")["seed"]))
 
@@ -81,7 +80,7 @@ def test_kv_layout(
 
     # The block size is what vLLM's hybrid aligner computes for this config, run here on a
     # fresh config from the same engine args (not the engine's own state).
-    block = _block_size(layout)
+    block = block_size_of(layout)
     start_block, expected_block, backend = _aligned_block_size(
         engine, attention[0]["backend_class"]
     )
@@ -257,7 +256,7 @@ def test_greedy_reproducible_across_block_boundary(
     tokens before the boundary differ, what a stale or wrong cached block amounts to, must be
     rejected by its token with at least the profile's min_power."""
     prompts, tolerances = profile.section("prompts"), profile.section("tolerances")
-    block = _block_size(layout)
+    block = block_size_of(layout)
     length = int(prompts["long_blocks"] * block)
     assert length > block, f"prompt of {length} tokens does not cross a {block}-token block"
     prompt = _prompt(profile, engine, length)
@@ -293,7 +292,7 @@ def test_prefill_checkpoint_pages(engine: Engine, profile: Profile, layout: dict
     every retention policy; earlier boundaries are retired under the default one."""
     expect, prompts = profile.section("expect"), profile.section("prompts")
     tolerance = float(profile.section("tolerances")["checkpoint_page_rel"])
-    block = _block_size(layout)
+    block = block_size_of(layout)
     mamba = _groups_of(layout, expect["mamba_spec"])
     group_index = {id(g): layout["groups"].index(g) for g in mamba}
     length = int(prompts["checkpoint_blocks"] * block)

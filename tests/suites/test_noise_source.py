@@ -21,13 +21,10 @@ from typing import Any
 
 import pytest
 
-from glm5_matrix.engines.client import Engine, resolve_class
+from glm5_matrix.engines.client import Engine, block_size_of, resolve_class
 from glm5_matrix.engines.engine_configs import noise_specs
-from glm5_matrix.engines.worker_trace import (
-    worker_attention_backends,
-    worker_start_trace,
-    worker_stop_trace,
-)
+from glm5_matrix.engines.worker_trace import worker_start_trace, worker_stop_trace
+from glm5_matrix.engines.workers import worker_attention_backends
 from glm5_matrix.matrix.context import CellContext
 from glm5_matrix.matrix.profiles import Profile
 from glm5_matrix.results.recorder import record_figure
@@ -56,12 +53,6 @@ def _prompt(engine: Engine, profile: Profile, block: int) -> list[int]:
     return engine.random_prompt(length, int(profile.section("prompts")["seed"]))
 
 
-def _block(engine: Engine) -> int:
-    sizes = {g["block_size"] for g in engine.kv_layout()["groups"] if g["prefix_cacheable"]}
-    assert len(sizes) == 1, sizes
-    return sizes.pop()
-
-
 def _traced(
     engine: Engine, prompt: list[int], max_tokens: int, plant: list[Any] | None = None
 ) -> tuple[compare.GreedyOutput, list[dict[str, Any]]]:
@@ -87,7 +78,7 @@ def _bitwise(a: compare.GreedyOutput, b: compare.GreedyOutput) -> bool:
 
 def test_where_identical_runs_part(engine: Engine, profile: Profile) -> None:
     noise = _noise(profile)
-    prompt = _prompt(engine, profile, _block(engine))
+    prompt = _prompt(engine, profile, block_size_of(engine.kv_layout()))
     max_tokens = int(noise["max_tokens"])
     first, trace_a = _traced(engine, prompt, max_tokens)
     second, trace_b = _traced(engine, prompt, max_tokens)
@@ -146,7 +137,7 @@ def test_batch_invariant_mode(cell: CellContext, profile: Profile, engine: Engin
     spec = noise_specs(cell, profile)[1]
     engine.shutdown()  # one engine on the device at a time
     with Engine(spec) as invariant:
-        prompt = _prompt(invariant, profile, _block(invariant))
+        prompt = _prompt(invariant, profile, block_size_of(invariant.kv_layout()))
         runs = []
         for _ in range(2):  # each from an empty prefix cache, as the traced runs
             assert invariant.reset_prefix_cache(), "reset_prefix_cache() refused"

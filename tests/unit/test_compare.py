@@ -416,3 +416,11 @@ def test_along_a_path_a_jump_at_the_parting_step_itself_is_not_excused() -> None
         reference, reference, STEP, ("target", "MTP"), along_path=True
     )
     assert same == compare.TokenAgreement(3, 3, None, None) and same.bar is None
+
+
+def test_equal_prefix_counts_the_shared_leading_tokens() -> None:
+    a = scored([1, 2, 3], [{1: -1.0}, {2: -1.0}, {3: -1.0}])
+    b = scored([1, 2, 4], [{1: -1.0}, {2: -1.0}, {4: -1.0}])
+    assert compare.equal_prefix(a, b) == 2
+    assert compare.equal_prefix(a, a) == 3
+    assert compare.equal_prefix(a, scored([1], [{1: -1.0}])) == 1

@@ -110,6 +110,20 @@ LAYOUT = {
 }
 
 
+def test_block_size_of_reads_the_prefix_cacheable_groups() -> None:
+    """GLM's tail ring (block 4, not prefix-cacheable) has its own block size; the others must
+    agree."""
+    groups = [
+        {"block_size": 4352, "prefix_cacheable": True},
+        {"block_size": 4, "prefix_cacheable": False},
+        {"block_size": 4352, "prefix_cacheable": True},
+    ]
+    assert client.block_size_of({"groups": groups}) == 4352
+    groups[2]["block_size"] = 2176
+    with pytest.raises(AssertionError, match=r"disagree on the block size: \[2176, 4352\]"):
+        client.block_size_of({"groups": groups})
+
+
 def test_spec_classes_read_members_and_plain_groups() -> None:
     from collections import Counter, OrderedDict
 

@@ -335,6 +335,15 @@ def spec_classes(group: dict[str, Any]) -> set[type]:
     return {resolve_class(m["spec_class"]) for m in members.values()}
 
 
+def block_size_of(layout: dict[str, Any]) -> int:
+    """The block size of the prefix-cacheable groups (GLM's tail ring has its own, per
+    request); an AssertionError when they disagree."""
+    sizes = {g["block_size"] for g in layout["groups"] if g["prefix_cacheable"]}
+    if len(sizes) != 1:
+        raise AssertionError(f"KV groups disagree on the block size: {sorted(sizes)}")
+    return sizes.pop()
+
+
 def groups_of(layout: dict[str, Any], cls: type) -> list[dict[str, Any]]:
     """The groups whose layers' spec class IS `cls` (identity: a subclass does not count)."""
     return [g for g in layout["groups"] if spec_classes(g) == {cls}]

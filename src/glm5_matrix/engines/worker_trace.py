@@ -23,6 +23,8 @@ import hashlib
 from functools import partial
 from typing import Any
 
+from glm5_matrix.engines.workers import model_of, raw_bytes
+
 _STATE = "_glm5_trace"
 
 
@@ -41,16 +43,13 @@ def _tensors(value: Any) -> list[Any]:
 
 def tensors_digest(value: Any) -> str:
     """sha256 over the dtype, shape and raw bytes of each tensor in `value` ("" when none)."""
-    import torch
-
     tensors = _tensors(value)
     if not tensors:
         return ""
     digest = hashlib.sha256()
     for tensor in tensors:
         digest.update(f"{tensor.dtype}{tuple(tensor.shape)};".encode())
-        raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        digest.update(raw.cpu().numpy().tobytes())
+        digest.update(raw_bytes(tensor))
     return digest.hexdigest()
 
 
@@ -79,7 +78,6 @@ def _flip_first_bit(output: Any) -> Any:
 def _hook(
     state: dict[str, Any], name: str, module: Any, args: Any, kwargs: Any, output: Any
 ) -> Any:
-    index = len(state["records"])
     plant = state["plant"]
     planted = plant is not None and plant == [name, state["calls"].get(name, 0)]
     if planted:
@@ -87,7 +85,6 @@ def _hook(
     state["calls"][name] = state["calls"].get(name, 0) + 1
     state["records"].append(
         {
-            "index": index,
             "module": name,
             "call": state["calls"][name] - 1,
             "class": type(module).__qualname__,
@@ -100,17 +97,11 @@ def _hook(
     return output if planted else None
 
 
-def _model(worker: Any) -> Any:
-    target = getattr(worker, "worker", worker)  # the worker behind a WorkerWrapperBase
-    runner = target.model_runner
-    return runner.get_model() if hasattr(runner, "get_model") else runner.model
-
-
 def worker_start_trace(worker: Any, plant: list[Any] | None = None) -> int:
     """Hook every module of the model; from now on each call is recorded. `plant` = [module
     name, call number]: that call's output gets one bit flipped. Returns the modules hooked."""
     worker_stop_trace(worker)
-    model = _model(worker)
+    model = model_of(worker)
     state: dict[str, Any] = {"records": [], "calls": {}, "handles": [], "plant": plant}
     for name, module in model.named_modules():
         handle = module.register_forward_hook(
@@ -130,16 +121,3 @@ def worker_stop_trace(worker: Any) -> list[dict[str, Any]]:
         handle.remove()
     delattr(worker, _STATE)
     return list(state["records"])
-
-
-def worker_attention_backends(worker: Any) -> dict[str, str]:
-    """{layer name: qualified class of its attention backend} for every KV layer (attention
-    and Mamba alike), as the model runner resolved them."""
-    target = getattr(worker, "worker", worker)
-    context = target.model_runner.compilation_config.static_forward_context
-    found = {}
-    for name, layer in context.items():
-        if hasattr(layer, "get_attn_backend"):
-            backend = layer.get_attn_backend()
-            found[name] = f"{backend.__module__}.{backend.__qualname__}"
-    return found

@@ -84,12 +84,16 @@ def block_strides(worker: Any) -> dict[str, int]:
     }
 
 
-def page_digest(page: Any) -> str:
-    """sha256 of a page's raw bytes (any dtype: read as bytes, never converted)."""
+def raw_bytes(tensor: Any) -> bytes:
+    """A tensor's bytes as stored (any dtype, any layout: read as bytes, never converted)."""
     import torch
 
-    raw = page.detach().contiguous().view(torch.uint8).cpu().numpy()
-    return hashlib.sha256(raw.tobytes()).hexdigest()
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+
+
+def page_digest(page: Any) -> str:
+    """sha256 of a page's raw bytes."""
+    return hashlib.sha256(raw_bytes(page)).hexdigest()
 
 
 def worker_page_digests(worker: Any, layer_blocks: list[tuple[str, int]]) -> list[list[str]]:
@@ -140,6 +144,12 @@ class PageReader:
 
 def _runner(worker: Any) -> Any:
     return worker.model_runner
+
+
+def model_of(worker: Any) -> Any:
+    """The model the worker's runner holds (the worker behind a WorkerWrapperBase too)."""
+    runner = _runner(getattr(worker, "worker", worker))
+    return runner.get_model() if hasattr(runner, "get_model") else runner.model
 
 
 def _qualified(cls: type) -> str:
@@ -306,13 +316,22 @@ def worker_moe_backends(worker: Any) -> dict[str, list[str]]:
     """{FP8 MoE backend vLLM selected (Fp8MoeBackend name): [MoE layers using it]}: what the
     engine runs, read from the model, not from what was asked."""
     backends: dict[str, list[str]] = {}
-    runner = _runner(worker)
-    model = runner.get_model() if hasattr(runner, "get_model") else runner.model
-    for name, module in model.named_modules():
+    for name, module in model_of(worker).named_modules():
         backend = getattr(getattr(module, "quant_method", None), "fp8_backend", None)
         if backend is not None:
             backends.setdefault(getattr(backend, "name", str(backend)), []).append(name)
     return backends
+
+
+def worker_attention_backends(worker: Any) -> dict[str, str]:
+    """{layer name: qualified class of its attention backend} for every KV layer (attention
+    and Mamba alike), as the model runner resolved them."""
+    context = _runner(getattr(worker, "worker", worker)).compilation_config.static_forward_context
+    return {
+        name: _qualified(layer.get_attn_backend())
+        for name, layer in context.items()
+        if hasattr(layer, "get_attn_backend")
+    }
 
 
 def worker_compilation_seconds(worker: Any) -> float:

@@ -475,6 +475,7 @@ def check_tokens_while_decisive(
         raise ValueError(f"tolerance {tolerance} must be >= 0")
     total = len(reference.token_ids)
     bar = tolerance
+    deltas = step_deltas(reference, run, min(total, len(run.token_ids))) if along_path else []
     for step, margin in enumerate(margins(reference)):
         if margin <= bar:
             return TokenAgreement(step, total, step, margin, bar if bar > tolerance else None)
@@ -494,8 +495,18 @@ def check_tokens_while_decisive(
                 f"{dict(scored)}{_shown(reference, run, names)}"
             )
         if along_path:
-            bar = max(bar, step_deltas(reference, run, step + 1)[step])
+            bar = max(bar, deltas[step])
     return TokenAgreement(total, total, None, None, bar if bar > tolerance else None)
+
+
+def equal_prefix(a: Scored, b: Scored) -> int:
+    """How many leading tokens the two runs share."""
+    shared = 0
+    for token_a, token_b in zip(a.token_ids, b.token_ids, strict=False):
+        if token_a != token_b:
+            break
+        shared += 1
+    return shared
 
 
 def step_deltas(reference: Scored, run: Scored, steps: int) -> list[float]:

@@ -130,13 +130,11 @@ class Comparison:
             record_figure(f"{label}.token_mismatch", str(failed).split("\n")[0][:300])
             # The differences up to the parting (the same tokens before it): evidence for
             # telling a path's rounding from a defect.
-            shared = 0
-            while (
-                shared < min(len(reference.token_ids), len(run.token_ids))
-                and reference.token_ids[shared] == run.token_ids[shared]
-            ):
-                shared += 1
-            steps = min(shared + 1, len(reference.token_ids), len(run.token_ids))
+            steps = min(
+                compare.equal_prefix(reference, run) + 1,
+                len(reference.token_ids),
+                len(run.token_ids),
+            )
             record_figure(
                 f"{label}.step_deltas",
                 [round(d, 6) for d in compare.step_deltas(reference, run, steps)],
