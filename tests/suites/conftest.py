@@ -20,6 +20,12 @@ def cell() -> CellContext:
 def profile(cell: CellContext) -> Profile:
     if cell.profile is None:
         pytest.fail(f"cell {cell.id} names no profile, but its suite needs one")
+    if cell.weights.kind == "random":
+        # What the glm5-random weights were (a measurement may override the query gain).
+        from glm5_matrix.models.weights import query_gain
+        from glm5_matrix.results.recorder import record_figure
+
+        record_figure("weights.query_gain", query_gain())
     return load_profile(cell.profile)
 
 

@@ -11,11 +11,13 @@ import sys
 import numpy as np
 import pytest
 
+from glm5_matrix.errors import UserError
 from glm5_matrix.models.weights import (
     HEAD_GAIN,
     HEAD_ZIPF_EXPONENT,
     LOAD_FORMAT,
     QUERY_GAIN,
+    QUERY_GAIN_VARIABLE,
     choose_init,
     head_row_scales,
     scale_sibling,
@@ -38,6 +40,20 @@ def test_mla_query_norm_sharpens_attention():
     assert query.kind == "constant" and query.value == QUERY_GAIN > 1
     for other in ("model.layers.3.self_attn.kv_a_layernorm", "model.layers.3.input_layernorm"):
         assert choose_init("weight", (512,), True, 16, "RMSNorm", module_name=other).value == 1.0
+
+
+def test_query_gain_override(monkeypatch):
+    """A measurement sets the gain through the environment; a value that is no positive number
+    is one clear error, not a silently different model."""
+    name = "model.layers.3.self_attn.q_a_layernorm"
+    monkeypatch.setenv(QUERY_GAIN_VARIABLE, "2.5")
+    assert choose_init("weight", (1536,), True, 16, "RMSNorm", module_name=name).value == 2.5
+    monkeypatch.setenv(QUERY_GAIN_VARIABLE, "")
+    assert choose_init("weight", (1536,), True, 16, "RMSNorm", module_name=name).value == QUERY_GAIN
+    for bad in ("0", "-1", "nan", "inf", "eight"):
+        monkeypatch.setenv(QUERY_GAIN_VARIABLE, bad)
+        with pytest.raises(UserError, match=QUERY_GAIN_VARIABLE):
+            choose_init("weight", (1536,), True, 16, "RMSNorm", module_name=name)
 
 
 def test_matrices_keep_activation_scale():

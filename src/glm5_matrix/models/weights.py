@@ -41,11 +41,13 @@ weights. vLLM loads the format in every process through the `vllm.general_plugin
 from __future__ import annotations
 
 import math
+import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from glm5_matrix.errors import UserError
 from glm5_matrix.files import write_atomic
 
 LOAD_FORMAT = "glm5-random"
@@ -57,6 +59,9 @@ HEAD_MODULES = ("ParallelLMHead",)
 # scale, ~1 at weight 1 (see the module doc).
 QUERY_GAIN = 8.0
 QUERY_NORMS = ("q_a_layernorm",)
+# A measurement's override of QUERY_GAIN (benchmarks/query_gain.py sweeps it on a GPU): set in the
+# cell's environment, read in every vLLM process, recorded by the suites as weights.query_gain.
+QUERY_GAIN_VARIABLE = "GLM5_MATRIX_QUERY_GAIN"
 PLUGIN_GROUP = "vllm.general_plugins"
 PLUGIN_NAME = "glm5_matrix_random_weights"
 PLUGIN_TARGET = "glm5_matrix.models.weights:register"
@@ -68,6 +73,21 @@ class Init:
 
     kind: str  # "constant", "uniform", "head" (uniform, rows scaled) or "vllm-default"
     value: float = 0.0  # the constant, or the half-width of the uniform range
+
+
+def query_gain() -> float:
+    """The MLA query norm's weight: QUERY_GAIN, or GLM5_MATRIX_QUERY_GAIN where set (a positive
+    number; anything else is refused with one line)."""
+    text = os.environ.get(QUERY_GAIN_VARIABLE, "").strip()
+    if not text:
+        return QUERY_GAIN
+    try:
+        gain = float(text)
+    except ValueError:
+        gain = math.nan
+    if not (math.isfinite(gain) and gain > 0):
+        raise UserError(f"{QUERY_GAIN_VARIABLE}={text!r} is not a positive number")
+    return gain
 
 
 def seed_for(name: str) -> int:
@@ -98,7 +118,7 @@ def choose_init(
         return Init("constant", 0.0)
     if "norm" in module_kind.lower() and leaf == "weight" and len(shape) == 1:
         if module_name.rsplit(".", 1)[-1] in QUERY_NORMS:
-            return Init("constant", QUERY_GAIN)
+            return Init("constant", query_gain())
         return Init("constant", 1.0)
     if module_kind in HEAD_MODULES and leaf == "weight" and len(shape) == 2 and bits > 8:
         return Init("head", math.sqrt(3.0 / shape[-1]))

@@ -26,6 +26,7 @@ from typing import Any
 
 from glm5_matrix.files import write_json_atomic
 from glm5_matrix.results.schema import (
+    OUTPUTS_FILE,
     RESULTS_FILE,
     count_outcomes,
     ending,
@@ -71,6 +72,8 @@ class _State:
     current_test: str | None = None
     engine_starts: list[EngineStart] = field(default_factory=list)
     figures: list[Figure] = field(default_factory=list)
+    # Scored outputs by name (record_outputs), written to outputs.json beside results.json.
+    outputs: dict[str, Any] = field(default_factory=dict)
     # Called after each record, so that results.json has it at once (set by the plugin).
     on_record: Any = None
 
@@ -111,11 +114,42 @@ def figures() -> list[Figure]:
     return list(_STATE.figures)
 
 
+def scored_json(output: Any) -> dict[str, Any]:
+    """A greedy output with its scores (glm5_matrix.verdicts.compare.Scored) as JSON: candidate
+    token ids become strings, as JSON keys must be."""
+    return {
+        "token_ids": [int(t) for t in output.token_ids],
+        "logprobs": [float(v) for v in output.logprobs],
+        "top_logprobs": [{str(t): float(v) for t, v in step.items()} for step in output.top_logprobs],
+        "cached_tokens": getattr(output, "cached_tokens", None),
+    }
+
+
+def record_outputs(name: str, outputs: list[Any]) -> None:
+    """Keep the greedy outputs a comparison judged (the reference's repeats, a run, a control)
+    under `name`, in the cell's outputs.json: the raw data behind its figures, so that a run on a
+    lent GPU can be judged again, by another rule, without the GPU. A name recorded twice in one
+    session keeps its last outputs."""
+    _STATE.outputs[name] = {
+        "test": _STATE.current_test,
+        "outputs": [scored_json(o) for o in outputs],
+    }
+    if _STATE.on_record is not None:
+        _STATE.on_record()
+
+
+def recorded_outputs() -> dict[str, Any]:
+    return dict(_STATE.outputs)
+
+
 class ResultsPlugin:
     """Registered by tests/suites/conftest.py when the cell has a results folder."""
 
     def __init__(self, results_dir: Path, context: dict[str, Any]) -> None:
         self.path = results_dir / RESULTS_FILE
+        self.outputs_path = results_dir / OUTPUTS_FILE
+        # This session's outputs alone: a file from an earlier run is never read back as ours.
+        self.outputs_path.unlink(missing_ok=True)
         self.context = context
         self.tests: dict[str, dict[str, Any]] = {}
         self.started = time.monotonic()
@@ -202,6 +236,12 @@ class ResultsPlugin:
             },
             compact=partial,  # rewritten for every test: kept cheap until the last write
         )
+        if _STATE.outputs:
+            write_json_atomic(
+                self.outputs_path,
+                {"cell": self.context.get("id"), "complete": complete, "outputs": _STATE.outputs},
+                compact=True,
+            )
 
 
 def _failure_message(report: Any) -> str:

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 RESULTS_FILE = "results.json"
+# The greedy outputs the comparisons judged (recorder.record_outputs), beside results.json.
+OUTPUTS_FILE = "outputs.json"
 RESULTS_VARIABLE = "GLM5_MATRIX_RESULTS"  # where the cells' results folders go
 JUNIT_FILE = "junit.xml"
 # How a run ended ("ended.how"): pytest ended its session; a signal stopped the cell (or the

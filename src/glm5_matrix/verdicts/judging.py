@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from glm5_matrix.results.recorder import record_figure
+from glm5_matrix.results.recorder import record_figure, record_outputs
 from glm5_matrix.verdicts import compare
 from glm5_matrix.verdicts.compare import Agreement, NoiseFloor, Scored, TokenAgreement
 
@@ -47,6 +47,7 @@ class Comparison:
 
     def agrees(self, reference: Scored, run: Scored, names: tuple[str, str]) -> Agreement:
         """`run` must agree with `reference` under the floor's tolerance."""
+        record_outputs(f"{self.name}.{_slug(names[1])}", [run])
         agreement = compare.check_agreement(reference, run, self.floor, names)
         print(f"{self.name}: {names[0]} vs {names[1]}: {agreement.describe()}")
         label = f"{self.name}.{_slug(names[1])}"
@@ -102,6 +103,7 @@ class Comparison:
     def rejects(self, reference: Scored, control: Scored, names: tuple[str, str]) -> str:
         """The negative control must fail the same rule, with at least min_power; returns why it
         failed."""
+        record_outputs(f"{self.name}.{_slug(names[1])}", [control])
         reason = compare.check_rejected(reference, control, self.floor, names)
         print(f"{self.name}: the control {names[1]!r} is rejected: {reason}")
         record_figure(f"{self.name}.control_rejected", reason.split("\n")[0][:300])
@@ -122,6 +124,7 @@ class Comparison:
         differences over the compared steps as a distribution (recorded, not judged)."""
         tolerance = self.floor.tolerance
         label = f"{self.name}.{_slug(names[1])}"
+        record_outputs(label, [run])
         try:
             found = compare.check_tokens_while_decisive(
                 reference, run, tolerance, names, along_path=along_path
@@ -179,6 +182,7 @@ class Comparison:
     def rejects_by_token(self, reference: Scored, control: Scored, names: tuple[str, str]) -> str:
         """The control (the reference's runner-up taken at a decisive step) must fail
         tokens_agree's rule, and its power must reach min_power; returns why it failed."""
+        record_outputs(f"{self.name}.{_slug(names[1])}", [control])
         try:
             found = compare.check_tokens_while_decisive(
                 reference, control, self.floor.tolerance, names
@@ -240,6 +244,7 @@ def repeated(name: str, runs: list[Any], names_prefix: str, tolerances: dict) ->
     if not min_power > 1.0:
         raise ValueError(f"{name}: min_power {min_power} must be > 1")
     names = [f"{names_prefix} #{i + 1}" for i in range(len(runs))]
+    record_outputs(f"{name}.{_slug(names_prefix)}", runs)
     compare.assert_varies(runs[0].token_ids, int(tolerances["min_distinct_tokens"]), names[0])
     floor = compare.noise_spread(runs, names)
     _record_floor(name, floor)
