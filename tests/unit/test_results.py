@@ -93,6 +93,45 @@ def test_results_json_holds_outcomes_starts_and_figures(
     assert "2 engine start(s) (3 s, 2 kernel file(s) compiled)" in summary
 
 
+OUTPUTS_SUITE = """
+from glm5_matrix.results.recorder import record_outputs
+from glm5_matrix.verdicts.compare import GreedyOutput
+
+def test_judges():
+    cold = GreedyOutput([5, 7], [-1.0, -2.0], [{5: -1.0, 9: -3.5}, {7: -2.0, 5: -2.25}], 0)
+    record_outputs("repeat.cold", [cold, cold])
+    record_outputs("repeat.stale_block", [GreedyOutput([9], [-0.5], [{9: -0.5}], None)])
+"""
+
+
+def test_outputs_json_keeps_what_was_judged_and_never_an_earlier_runs(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The raw outputs behind the figures lie beside results.json; an outputs.json left by an
+    earlier run is removed when the session starts, so a run that records none leaves none."""
+    monkeypatch.setenv(CONTEXT_VARIABLE, str(_context(tmp_path)))
+    monkeypatch.setattr(recorder, "_STATE", recorder._State())
+    path = tmp_path / "results" / schema.OUTPUTS_FILE
+    pytester.makepyfile(test_cell=OUTPUTS_SUITE)
+    pytester.runpytest("-p", "glm5_matrix.results.recorder").assert_outcomes(passed=1)
+    data = json.loads(path.read_text())
+    assert data["complete"] is True and data["cell"] == "c"
+    cold = data["outputs"]["repeat.cold"]
+    assert cold["test"] == "test_cell.py::test_judges" and len(cold["outputs"]) == 2
+    assert cold["outputs"][0] == {
+        "token_ids": [5, 7],
+        "logprobs": [-1.0, -2.0],
+        "top_logprobs": [{"5": -1.0, "9": -3.5}, {"7": -2.0, "5": -2.25}],
+        "cached_tokens": 0,
+    }
+    assert data["outputs"]["repeat.stale_block"]["outputs"][0]["cached_tokens"] is None
+    # The next run records nothing: the earlier file must not be read back as its own.
+    monkeypatch.setattr(recorder, "_STATE", recorder._State())
+    pytester.makepyfile(test_cell="def test_nothing():\n    pass\n")
+    pytester.runpytest("-p", "glm5_matrix.results.recorder").assert_outcomes(passed=1)
+    assert not path.exists()
+
+
 def test_a_relation_that_means_nothing_is_refused() -> None:
     with pytest.raises(ValueError, match="relation"):
         recorder.record_figure("x", 1, limit=2, relation="~")
