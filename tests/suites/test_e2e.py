@@ -254,7 +254,9 @@ def test_greedy_reproducible_across_block_boundary(
     step 20 moved by 0.414 against a cold-cold noise of at most 0.086). What the cache
     guarantees bit for bit, its pages, is test_prefill_checkpoint_pages's. A prompt whose last
     tokens before the boundary differ, what a stale or wrong cached block amounts to, must be
-    rejected by its token with at least the profile's min_power."""
+    rejected by its token with at least the profile's min_power; where it is not (no step the
+    cold runs decide before the control parts), the comparison had no power and the test skips,
+    saying so, rather than pass or fail on a check that could not tell."""
     prompts, tolerances = profile.section("prompts"), profile.section("tolerances")
     block = block_size_of(layout)
     length = int(prompts["long_blocks"] * block)
@@ -267,11 +269,25 @@ def test_greedy_reproducible_across_block_boundary(
     assert again.cached_tokens and again.cached_tokens >= block, (
         f"the repeat reused {again.cached_tokens} cached tokens, not a whole {block}-token block"
     )
-    repeat.tokens_agree(cold, again, ("cold", "repeat"))
+    agreed = repeat.tokens_agree(cold, again, ("cold", "repeat"))
     other = engine.generate_scored(
         _stale_block(profile, engine, prompt, block), max_tokens, TOP_LOGPROBS
     )
-    repeat.rejects_by_token(cold, other, ("cold", "stale block"))
+    try:
+        repeat.rejects_by_token(cold, other, ("cold", "stale block"))
+    except judging.NoPower as weak:
+        # Not a pass: the comparison could not have failed on this run. Not a failure of vLLM
+        # either: the KDA state cached at the boundary is checked against a cold prefill's in
+        # test_prefill_checkpoint_pages. Seen on the H200 (glm5-random, query gain 1-8): the
+        # prefix-cache path moves step 0 by 0.06-0.55 nats where the cold repeats move it by
+        # 0.03-0.09, and the stale block by 0.2-0.75; the stale block always parted at a step
+        # the cold run won by less than that path difference (README, "The repeat's power").
+        record_figure("repeat.verdict", "no power: skipped")
+        pytest.skip(
+            f"no power on this run ({agreed.describe(repeat.floor.tolerance)} against cold): "
+            f"{str(weak).splitlines()[0]}; the KDA state cached at the boundary is checked "
+            "against a cold prefill's in test_prefill_checkpoint_pages"
+        )
 
 
 def _stale_block(profile: Profile, engine: Engine, prompt: list[int], block: int) -> list[int]:

@@ -74,7 +74,7 @@ def test_power_is_recorded_and_a_weak_control_fails() -> None:
     steps = round(tolerance / STEP)
     # A control whose logits moved by ~1.5 tolerances: rejected by the rule, but too weakly.
     weak = greedy(nudged(logits, round(1.7 * steps)))
-    with pytest.raises(AssertionError, match=r"below the bar of 2x: raise the signal"):
+    with pytest.raises(judging.NoPower, match=r"below the bar of 2x: raise the signal"):
         comparison.rejects(runs[0], weak, ("cold", "stale block"))
     weak_power = _figures()["repeat.stale_block.power"]
     assert 1.0 < weak_power.value < 2.0 and weak_power.limit == 2.0
@@ -165,5 +165,5 @@ def test_rejects_by_token() -> None:
     assert reason.startswith("step 0: target-only chose")
     assert _figures()["mtp.runner_up_accepted.power"].value == "inf"
     # A control that changed nothing passes the token rule: the comparison proves nothing.
-    with pytest.raises(AssertionError, match="passes the token rule"):
+    with pytest.raises(judging.NoPower, match="passes the token rule"):
         comparison.rejects_by_token(runs[0], runs[2], ("target-only", "unchanged"))

@@ -29,6 +29,13 @@ TOP_LOGPROBS = 5
 MIN_REFERENCE_REPEATS = 3
 
 
+class NoPower(AssertionError):
+    """A negative control the comparison could not tell apart from the noise (it passed the rule,
+    or was rejected below the power bar): the check has no power on this run, which says
+    nothing of vLLM either way. An AssertionError, so that a suite fails on it unless it says
+    what else carries the check (test_e2e's repeat, whose cached state is checked by bytes)."""
+
+
 def _power_figure(power: float) -> float | str:
     """JSON holds no infinity: an infinite power is recorded as the string "inf"."""
     return "inf" if math.isinf(power) else round(power, 3)
@@ -90,7 +97,7 @@ class Comparison:
             unit="nats",
         )
         if not power >= self.min_power:
-            raise AssertionError(
+            raise NoPower(
                 f"{self.name}: the control {names[1]!r} is only {power:.2f}x the tolerance "
                 f"(delta {delta:.4f}, tolerance {tolerance:.4f}; {self.floor.describe()}), below "
                 f"the bar of {self.min_power:g}x: raise the signal (weights under which the "
@@ -190,7 +197,7 @@ class Comparison:
         except AssertionError as failed:
             reason = str(failed).split("\n")[0]
         else:
-            raise AssertionError(
+            raise NoPower(
                 f"{self.name}: the negative control {names[1]!r} passes the token rule against "
                 f"{names[0]!r} ({found.describe(self.floor.tolerance)}): the check cannot tell "
                 "a changed token from noise"
