@@ -75,7 +75,9 @@ def report(path: Path, reference: str, runs: list[str]) -> dict[str, Any]:
         found["runs"][name] = {
             "shared_tokens": shared,
             "parts_at": parting,
-            "reference_margin_there": None if parting is None else round(margins(first)[parting], 4),
+            "reference_margin_there": None
+            if parting is None
+            else round(margins(first)[parting], 4),
             "step0_delta": round(step_deltas(first, run, 1)[0], 4),
         }
     return found

@@ -18,7 +18,7 @@ SCRIPT = repo_root() / "benchmarks" / "repeat_paths.py"
 
 def _run(tokens: list[int], step0: dict[int, float], later: float = -1.0) -> GreedyOutput:
     tops = [step0] + [{t: later, 99: later - 0.5} for t in tokens[1:]]
-    return GreedyOutput(tokens, [top[t] for t, top in zip(tokens, tops)], tops)
+    return GreedyOutput(tokens, [top[t] for t, top in zip(tokens, tops, strict=True)], tops)
 
 
 def _outputs(path: Path) -> None:

@@ -120,7 +120,9 @@ def scored_json(output: Any) -> dict[str, Any]:
     return {
         "token_ids": [int(t) for t in output.token_ids],
         "logprobs": [float(v) for v in output.logprobs],
-        "top_logprobs": [{str(t): float(v) for t, v in step.items()} for step in output.top_logprobs],
+        "top_logprobs": [
+            {str(t): float(v) for t, v in step.items()} for step in output.top_logprobs
+        ],
         "cached_tokens": getattr(output, "cached_tokens", None),
     }
 
