@@ -496,3 +496,31 @@ def test_the_cell_is_killed_at_once_when_the_main_nox_dies(tmp_path: Path) -> No
     ended = _results(tmp_path)["ended"]
     assert ended["how"] == "process-died" and f"main nox (pid {main.pid})" in ended["detail"]
     assert proc.returncode == 128 + signal.SIGTERM
+
+
+def test_the_main_nox_death_is_named_when_its_worker_stops_the_cell_first(tmp_path: Path) -> None:
+    """`nox -j` whose main nox is killed: the worker nox gets SIGTERM from the kernel and passes
+    it on, and a command that ends on SIGINT at once ends before the supervisor's
+    once-a-second look at the main nox. The record must still say the main nox died, not that
+    someone sent SIGTERM (seen in CI: the faults cell's j2-sigkill case, now and then)."""
+    main = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    ready = tmp_path / "ready"
+    quick = (
+        "import sys, time; open(sys.argv[1], 'w').write('1')\n"
+        "try:\n    time.sleep(600)\nexcept KeyboardInterrupt:\n    sys.exit(130)\n"
+    )
+    proc = _supervise(
+        [sys.executable, "-c", quick, str(ready)],
+        tmp_path,
+        "--main-nox",
+        f"{main.pid}:{processes.start_time(main.pid)}",
+    )
+    wait_for(ready.is_file)
+    time.sleep(0.3)  # past the supervisor's first look, well inside the next second
+    main.kill()
+    main.wait()
+    proc.send_signal(signal.SIGTERM)  # what the worker nox passes on
+    proc.communicate(timeout=60)
+    ended = _results(tmp_path)["ended"]
+    assert ended["how"] == "process-died", ended
+    assert ended["signal"] is None and f"main nox (pid {main.pid})" in ended["detail"], ended

@@ -366,12 +366,16 @@ class Supervisor:
             if now - last_look >= 1.0:
                 self.seen.update(processes.live_descendants())
                 last_look = now
-                if self.main_nox and not kill_domain.same_process_alive(self.main_nox):
+                if self._main_nox_gone():
                     self.main_nox_died = True
                     self.stop_signal = self.stop_signal or signal.SIGTERM
                     self._kill_now()
                     return
             time.sleep(POLL_S)
+
+    def _main_nox_gone(self) -> bool:
+        """Whether this cell runs under a `nox -j` whose main nox is dead by now."""
+        return bool(self.main_nox) and not kill_domain.same_process_alive(self.main_nox or "")
 
     def _kill_now(self) -> None:
         """Everything of the cell, SIGKILLed at once: the domain, then any descendant left."""
@@ -505,6 +509,15 @@ class Supervisor:
                 "process-died",
                 None,
                 f"the main nox (pid {main}) of `nox -j` died; the cell was killed at once",
+            )
+        if self.stop_signal is not None and self._main_nox_gone():
+            # The worker nox got SIGTERM from the main nox's death and passed it on; the command
+            # ended on it before the once-a-second look saw the main nox gone.
+            main = self.main_nox.partition(":")[0] if self.main_nox else "?"
+            return (
+                "process-died",
+                None,
+                f"the main nox (pid {main}) of `nox -j` died; its worker stopped the cell",
             )
         if self.runner_died:
             return (
