@@ -280,8 +280,8 @@ def test_greedy_reproducible_across_block_boundary(
         # either: the KDA state cached at the boundary is checked against a cold prefill's in
         # test_prefill_checkpoint_pages. Seen on the H200 (glm5-random, query gain 1-8): the
         # prefix-cache path moves step 0 by 0.06-0.55 nats where the cold repeats move it by
-        # 0.03-0.09, and the stale block by 0.2-0.75; the stale block always parted at a step
-        # the cold run won by less than that path difference (README, "The repeat's power").
+        # 0.03-0.09, and the stale block by 0.2-0.75; at every gain the stale block parted at a
+        # step the cold runs' tolerance left undecided (README, "The repeat's power").
         record_figure("repeat.verdict", "no power: skipped")
         pytest.skip(
             f"no power on this run ({agreed.describe(repeat.floor.tolerance)} against cold): "
