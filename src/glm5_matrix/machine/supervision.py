@@ -503,22 +503,16 @@ class Supervisor:
         from glm5_matrix.results import schema
 
         pid = self.child.pid if self.child is not None else None
-        if self.main_nox_died:
+        # The second test: the worker nox got SIGTERM from the main nox's death and passed it on,
+        # and the command ended on it before the once-a-second look saw the main nox gone.
+        if self.main_nox_died or (self.stop_signal is not None and self._main_nox_gone()):
             main = self.main_nox.partition(":")[0] if self.main_nox else "?"
-            return (
-                "process-died",
-                None,
-                f"the main nox (pid {main}) of `nox -j` died; the cell was killed at once",
+            how = (
+                "the cell was killed at once"
+                if self.main_nox_died
+                else "its worker stopped the cell"
             )
-        if self.stop_signal is not None and self._main_nox_gone():
-            # The worker nox got SIGTERM from the main nox's death and passed it on; the command
-            # ended on it before the once-a-second look saw the main nox gone.
-            main = self.main_nox.partition(":")[0] if self.main_nox else "?"
-            return (
-                "process-died",
-                None,
-                f"the main nox (pid {main}) of `nox -j` died; its worker stopped the cell",
-            )
+            return ("process-died", None, f"the main nox (pid {main}) of `nox -j` died; {how}")
         if self.runner_died:
             return (
                 "process-died",

@@ -140,10 +140,6 @@ def record_outputs(name: str, outputs: list[Any]) -> None:
         _STATE.on_record()
 
 
-def recorded_outputs() -> dict[str, Any]:
-    return dict(_STATE.outputs)
-
-
 class ResultsPlugin:
     """Registered by tests/suites/conftest.py when the cell has a results folder."""
 

@@ -33,7 +33,8 @@ class NoPower(AssertionError):
     """A negative control the comparison could not tell apart from the noise (it passed the rule,
     or was rejected below the power bar): the check has no power on this run, which says
     nothing of vLLM either way. An AssertionError, so that a suite fails on it unless it says
-    what else carries the check (test_e2e's repeat, whose cached state is checked by bytes)."""
+    what else carries the check (test_e2e's repeat: test_prefill_checkpoint_pages checks the KDA
+    state its cache serves against a cold prefill's)."""
 
 
 def _power_figure(power: float) -> float | str:
@@ -54,10 +55,10 @@ class Comparison:
 
     def agrees(self, reference: Scored, run: Scored, names: tuple[str, str]) -> Agreement:
         """`run` must agree with `reference` under the floor's tolerance."""
-        record_outputs(f"{self.name}.{_slug(names[1])}", [run])
+        label = f"{self.name}.{_slug(names[1])}"
+        record_outputs(label, [run])
         agreement = compare.check_agreement(reference, run, self.floor, names)
         print(f"{self.name}: {names[0]} vs {names[1]}: {agreement.describe()}")
-        label = f"{self.name}.{_slug(names[1])}"
         record_figure(
             f"{label}.worst_delta",
             round(agreement.worst_delta, 6),
