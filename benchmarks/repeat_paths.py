@@ -32,15 +32,6 @@ from glm5_matrix.verdicts.compare import (  # noqa: E402
 )
 
 
-def scored(entry: dict[str, Any]) -> GreedyOutput:
-    return GreedyOutput(
-        list(entry["token_ids"]),
-        list(entry["logprobs"]),
-        [{int(t): float(v) for t, v in step.items()} for step in entry["top_logprobs"]],
-        entry.get("cached_tokens"),
-    )
-
-
 def per_step_noise(runs: list[GreedyOutput]) -> list[float]:
     """Per step, the largest difference of any pair of reference runs that agree up to it."""
     steps = len(runs[0].token_ids)
@@ -56,7 +47,7 @@ def report(path: Path, reference: str, runs: list[str]) -> dict[str, Any]:
     missing = [n for n in [reference, *runs] if n not in outputs]
     if missing:
         raise SystemExit(f"{path}: no outputs named {missing} (it has {sorted(outputs)})")
-    refs = [scored(e) for e in outputs[reference]["outputs"]]
+    refs = [GreedyOutput.from_json(e) for e in outputs[reference]["outputs"]]
     if len(refs) < 2:
         raise SystemExit(f"{path}: {reference} holds {len(refs)} run(s); the noise needs two")
     noise = per_step_noise(refs)
@@ -69,7 +60,7 @@ def report(path: Path, reference: str, runs: list[str]) -> dict[str, Any]:
         "runs": {},
     }
     for name in runs:
-        run = scored(outputs[name]["outputs"][0])
+        run = GreedyOutput.from_json(outputs[name]["outputs"][0])
         shared = equal_prefix(first, run)
         parting = shared if shared < len(first.token_ids) else None
         found["runs"][name] = {

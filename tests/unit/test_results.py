@@ -11,6 +11,7 @@ import pytest
 
 from glm5_matrix.matrix.context import CONTEXT_VARIABLE, CellContext
 from glm5_matrix.results import closing, recorder, schema
+from glm5_matrix.verdicts.compare import GreedyOutput
 
 pytest_plugins = ("pytester",)
 SRC = str(Path(recorder.__file__).resolve().parents[2])  # for pytest in a subprocess
@@ -125,6 +126,9 @@ def test_outputs_json_keeps_what_was_judged_and_never_an_earlier_runs(
         "cached_tokens": 0,
     }
     assert data["outputs"]["repeat.stale_block"]["outputs"][0]["cached_tokens"] is None
+    # What the writer wrote, the reader (GreedyOutput.from_json) gives back as it was.
+    back = GreedyOutput.from_json(cold["outputs"][0])
+    assert back == GreedyOutput([5, 7], [-1.0, -2.0], [{5: -1.0, 9: -3.5}, {7: -2.0, 5: -2.25}], 0)
     # The next run records nothing: the earlier file must not be read back as its own.
     monkeypatch.setattr(recorder, "_STATE", recorder._State())
     pytester.makepyfile(test_cell="def test_nothing():\n    pass\n")

@@ -298,6 +298,11 @@ class Supervisor:
             self.stop_signal = signum
             if self.parent is not None and os.getppid() != self.parent:
                 self.runner_died = True  # PR_SET_PDEATHSIG: the runner's process is gone
+            elif self._main_nox_gone():
+                # A worker of `nox -j` passing on its PR_SET_PDEATHSIG: the main nox is gone and
+                # nobody waits for the cell, which is killed at once (_wait_for_child), as when
+                # the once-a-second look below finds it first.
+                self.main_nox_died = True
 
     # --- the run -------------------------------------------------------------------------------
 
@@ -355,6 +360,9 @@ class Supervisor:
             if self.child_status is not None:
                 return
             now = time.monotonic()
+            if self.main_nox_died:
+                self._kill_now()
+                return
             if self.stop_signal is not None:
                 if asked_at is None:
                     asked_at = now
@@ -503,16 +511,13 @@ class Supervisor:
         from glm5_matrix.results import schema
 
         pid = self.child.pid if self.child is not None else None
-        # The second test: the worker nox got SIGTERM from the main nox's death and passed it on,
-        # and the command ended on it before the once-a-second look saw the main nox gone.
-        if self.main_nox_died or (self.stop_signal is not None and self._main_nox_gone()):
+        if self.main_nox_died:
             main = self.main_nox.partition(":")[0] if self.main_nox else "?"
-            how = (
-                "the cell was killed at once"
-                if self.main_nox_died
-                else "its worker stopped the cell"
+            return (
+                "process-died",
+                None,
+                f"the main nox (pid {main}) of `nox -j` died; the cell was killed at once",
             )
-            return ("process-died", None, f"the main nox (pid {main}) of `nox -j` died; {how}")
         if self.runner_died:
             return (
                 "process-died",

@@ -111,6 +111,17 @@ class GreedyOutput:
     top_logprobs: list[dict[int, float]]
     cached_tokens: int | None = None  # prompt tokens served from the prefix cache
 
+    @classmethod
+    def from_json(cls, entry: Mapping[str, Any]) -> GreedyOutput:
+        """One output as a cell's outputs.json holds it (results.recorder.scored_json, whose
+        candidate ids are strings, as JSON keys must be)."""
+        return cls(
+            [int(t) for t in entry["token_ids"]],
+            [float(v) for v in entry["logprobs"]],
+            [{int(t): float(v) for t, v in step.items()} for step in entry["top_logprobs"]],
+            entry.get("cached_tokens"),
+        )
+
 
 # --- greedy outputs judged against the engine's own noise ------------------------------------
 #

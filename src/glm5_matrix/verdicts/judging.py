@@ -53,9 +53,13 @@ class Comparison:
     # default, 1, only asks for a rejection (hand-built Comparisons of the unit tests).
     min_power: float = 1.0
 
+    def _label(self, names: tuple[str, str]) -> str:
+        """The figures' and outputs' name for the run or control `names[1]`."""
+        return f"{self.name}.{_slug(names[1])}"
+
     def agrees(self, reference: Scored, run: Scored, names: tuple[str, str]) -> Agreement:
         """`run` must agree with `reference` under the floor's tolerance."""
-        label = f"{self.name}.{_slug(names[1])}"
+        label = self._label(names)
         record_outputs(label, [run])
         agreement = compare.check_agreement(reference, run, self.floor, names)
         print(f"{self.name}: {names[0]} vs {names[1]}: {agreement.describe()}")
@@ -78,7 +82,7 @@ class Comparison:
         delta = compare.control_delta(reference, control, self.floor.tolerance)
         tolerance = self.floor.tolerance
         power = delta / tolerance if tolerance > 0 else math.inf
-        label = f"{self.name}.{_slug(names[1])}"
+        label = self._label(names)
         shown = "inf (it parts at no near-tie)" if math.isinf(delta) else f"{delta:.4f}"
         print(
             f"{self.name}: the control {names[1]!r}: delta {shown} / tolerance {tolerance:.4f} = "
@@ -111,7 +115,7 @@ class Comparison:
     def rejects(self, reference: Scored, control: Scored, names: tuple[str, str]) -> str:
         """The negative control must fail the same rule, with at least min_power; returns why it
         failed."""
-        record_outputs(f"{self.name}.{_slug(names[1])}", [control])
+        record_outputs(self._label(names), [control])
         reason = compare.check_rejected(reference, control, self.floor, names)
         print(f"{self.name}: the control {names[1]!r} is rejected: {reason}")
         record_figure(f"{self.name}.control_rejected", reason.split("\n")[0][:300])
@@ -131,7 +135,7 @@ class Comparison:
         runs showed on the same tokens before); printed and recorded, with the per-step logprob
         differences over the compared steps as a distribution (recorded, not judged)."""
         tolerance = self.floor.tolerance
-        label = f"{self.name}.{_slug(names[1])}"
+        label = self._label(names)
         record_outputs(label, [run])
         try:
             found = compare.check_tokens_while_decisive(
@@ -190,7 +194,7 @@ class Comparison:
     def rejects_by_token(self, reference: Scored, control: Scored, names: tuple[str, str]) -> str:
         """The control (the reference's runner-up taken at a decisive step) must fail
         tokens_agree's rule, and its power must reach min_power; returns why it failed."""
-        record_outputs(f"{self.name}.{_slug(names[1])}", [control])
+        record_outputs(self._label(names), [control])
         try:
             found = compare.check_tokens_while_decisive(
                 reference, control, self.floor.tolerance, names
