@@ -16,6 +16,7 @@ from glm5_matrix.engines.client import (
     groups_of,
     resolve_class,
     spec_classes,
+    spec_names,
 )
 from glm5_matrix.engines.engine_configs import e2e_specs
 from glm5_matrix.engines.prompts import with_other_tokens
@@ -70,7 +71,7 @@ def test_kv_layout(
     expect = profile.section("expect")
     mamba = _groups_of(layout, expect["mamba_spec"])
     attention = _groups_of(layout, expect["attention_spec"])
-    kinds = [g["spec_class"] for g in layout["groups"]]
+    kinds = [spec_names(g) for g in layout["groups"]]
     assert len(mamba) == expect["mamba_groups"], f"Mamba groups: {kinds}"
     assert len(attention) == expect["attention_groups"], f"attention groups: {kinds}"
     assert len(layout["groups"]) == len(mamba) + len(attention), f"unexpected groups: {kinds}"
@@ -149,7 +150,7 @@ def _check_planned_layout(
         spec_tokens=limits["speculative_tokens"],
         kv_cache_dtype=kv_dtype,
     )
-    kinds = [g["spec_class"] for g in layout["groups"]]
+    kinds = [spec_names(g) for g in layout["groups"]]
     mamba = _groups_of(layout, expect["mamba_spec"])
     tail = _groups_of(layout, expect["tail_spec"])
     mla = [g for g in layout["groups"] if g not in mamba and g not in tail]

@@ -335,6 +335,15 @@ def spec_classes(group: dict[str, Any]) -> set[type]:
     return {resolve_class(m["spec_class"]) for m in members.values()}
 
 
+def spec_names(group: dict[str, Any]) -> str:
+    """A group's spec classes by name, its members' where vLLM wraps them ("MambaSpec";
+    "MLAAttentionSpec" for GLM's latent and indexer keys), joined by "+": what tells groups apart
+    in a figure or a message, where the wrapper's name (UniformTypeKVCacheSpecs) is the same for
+    every group."""
+    members = group.get("member_specs") or {"": group}
+    return "+".join(sorted({m["spec_class"].rsplit(".", 1)[-1] for m in members.values()}))
+
+
 def block_size_of(layout: dict[str, Any]) -> int:
     """The block size of the prefix-cacheable groups (GLM's tail ring has its own, per
     request); an AssertionError when they disagree."""
