@@ -136,8 +136,13 @@ def test_spec_classes_read_members_and_plain_groups() -> None:
 def test_spec_names_name_the_members_not_the_wrapper() -> None:
     assert client.spec_names(LAYOUT["groups"][0]) == "OrderedDict"
     assert client.spec_names(LAYOUT["groups"][1]) == "Counter"
-    mixed = {"member_specs": {"a": {"spec_class": "x.B"}, "b": {"spec_class": "y.A"}}}
-    assert client.spec_names(mixed) == "A+B"
+    mixed = {
+        "member_specs": {
+            "a": {"spec_class": "collections.OrderedDict"},
+            "b": {"spec_class": "collections.Counter"},
+        }
+    }
+    assert client.spec_names(mixed) == "Counter+OrderedDict"
 
 
 def test_layer_specs_per_layer() -> None:

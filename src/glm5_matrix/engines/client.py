@@ -340,8 +340,7 @@ def spec_names(group: dict[str, Any]) -> str:
     "MLAAttentionSpec" for GLM's latent and indexer keys), joined by "+": what tells groups apart
     in a figure or a message, where the wrapper's name (UniformTypeKVCacheSpecs) is the same for
     every group."""
-    members = group.get("member_specs") or {"": group}
-    return "+".join(sorted({m["spec_class"].rsplit(".", 1)[-1] for m in members.values()}))
+    return "+".join(sorted(cls.__name__ for cls in spec_classes(group)))
 
 
 def block_size_of(layout: dict[str, Any]) -> int:

@@ -300,8 +300,8 @@ class Supervisor:
                 self.runner_died = True  # PR_SET_PDEATHSIG: the runner's process is gone
             elif self._main_nox_gone():
                 # A worker of `nox -j` passing on its PR_SET_PDEATHSIG: the main nox is gone and
-                # nobody waits for the cell, which is killed at once (_wait_for_child), as when
-                # the once-a-second look below finds it first.
+                # nobody waits for the cell, which _wait_for_child kills at once, as when its
+                # once-a-second look finds it first.
                 self.main_nox_died = True
 
     # --- the run -------------------------------------------------------------------------------
@@ -360,6 +360,13 @@ class Supervisor:
             if self.child_status is not None:
                 return
             now = time.monotonic()
+            if now - last_look >= 1.0:
+                self.seen.update(processes.live_descendants())
+                last_look = now
+                if self._main_nox_gone():
+                    self.main_nox_died = True
+                    self.stop_signal = self.stop_signal or signal.SIGTERM
+            # Found by this look or by the stop signal's (_on_signal): nobody waits for the cell.
             if self.main_nox_died:
                 self._kill_now()
                 return
@@ -371,14 +378,6 @@ class Supervisor:
                 elif now - asked_at >= self.grace:
                     self.child_overran = True
                     return  # the sweep stops it
-            if now - last_look >= 1.0:
-                self.seen.update(processes.live_descendants())
-                last_look = now
-                if self._main_nox_gone():
-                    self.main_nox_died = True
-                    self.stop_signal = self.stop_signal or signal.SIGTERM
-                    self._kill_now()
-                    return
             time.sleep(POLL_S)
 
     def _main_nox_gone(self) -> bool:
