@@ -1,0 +1,117 @@
+"""ninja_deps against ninja itself: a module built on one machine, whose deps log names a toolchain
+header the other machine lacks, is rebuilt there; narrowed to the shared prefixes it is not, and
+a shared header that changed still makes it dirty."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from glm5_matrix.errors import UserError
+from glm5_matrix.kernels import ninja_deps
+
+# A compiler stand-in: writes the object and a gcc-style depfile naming the headers it "read".
+FAKE_CC = """
+import sys
+source, out, *headers = sys.argv[1:]
+open(out, "w").write("object of " + source)
+open(out + ".d", "w").write(out + ": " + " ".join([source, *headers]) + "\\n")
+"""
+
+
+def _ninja() -> str:
+    found = shutil.which("ninja")
+    if found:
+        return found
+    import ninja  # the harness environment's ninja wheel
+
+    return str(Path(ninja.BIN_DIR) / "ninja")
+
+
+@pytest.fixture
+def built(tmp_path: Path) -> Path:
+    """A one-object build: main.c reading the project's a.h and the toolchain's sys.h."""
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "toolchain").mkdir()
+    (tmp_path / "proj/main.c").write_text("int main;")
+    (tmp_path / "proj/a.h").write_text("")
+    (tmp_path / "toolchain/sys.h").write_text("")
+    (tmp_path / "cc.py").write_text(FAKE_CC)
+    headers = f"{tmp_path}/proj/a.h {tmp_path}/toolchain/sys.h"
+    (tmp_path / "build.ninja").write_text(
+        "rule cc\n"
+        f"  command = {sys.executable} {tmp_path}/cc.py $in $out {headers}\n"
+        "  depfile = $out.d\n"
+        "  deps = gcc\n"
+        f"build {tmp_path}/out/main.o: cc {tmp_path}/proj/main.c\n"
+    )
+    old = 1_700_000_000
+    for header in ("proj/main.c", "proj/a.h", "toolchain/sys.h"):
+        os.utime(tmp_path / header, (old, old))
+    _run(tmp_path)
+    return tmp_path
+
+
+def _run(folder: Path, *args: str) -> str:
+    done = subprocess.run(
+        [_ninja(), "-C", str(folder), *args], capture_output=True, text=True, check=True
+    )
+    return done.stdout + done.stderr
+
+
+def _dirty(folder: Path) -> bool:
+    return "no work to do" not in _run(folder, "-n")
+
+
+def test_parse_reads_what_ninja_recorded(built: Path) -> None:
+    log = ninja_deps.parse((built / ".ninja_deps").read_bytes())
+    assert log.dependencies(f"{built}/out/main.o") == [
+        f"{built}/proj/main.c",
+        f"{built}/proj/a.h",
+        f"{built}/toolchain/sys.h",
+    ]
+    assert ninja_deps.parse(ninja_deps.serialize(log)) == log
+
+
+def test_a_missing_toolchain_header_rebuilds_unless_narrowed(built: Path) -> None:
+    assert not _dirty(built)
+    (built / "toolchain/sys.h").unlink()  # the other machine's toolchain lives elsewhere
+    assert _dirty(built)  # the control: ninja as it is rebuilds a valid object
+    kept, dropped = ninja_deps.keep_only(built / ".ninja_deps", (f"{built}/proj/",))
+    assert (kept, dropped) == (2, 1)
+    assert not _dirty(built)
+    deps = _run(built, "-t", "deps")
+    assert "a.h" in deps and "sys.h" not in deps
+
+
+def test_a_changed_shared_header_still_rebuilds(built: Path) -> None:
+    ninja_deps.keep_only(built / ".ninja_deps", (f"{built}/proj/",))
+    assert not _dirty(built)
+    os.utime(built / "proj/a.h")  # now: newer than the object
+    assert _dirty(built)
+
+
+def test_keep_only_keeps_the_logs_mtime(built: Path) -> None:
+    path = built / ".ninja_deps"
+    os.utime(path, ns=(1_600_000_000_123_456_789, 1_600_000_000_123_456_789))
+    ninja_deps.keep_only(path, (f"{built}/proj/",))
+    assert path.stat().st_mtime_ns == 1_600_000_000_123_456_789
+    assert [p.name for p in built.iterdir() if p.name.startswith(".glm5-")] == []
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (b"not a deps log", "not a ninja deps log"),
+        (ninja_deps.MAGIC + b"\x03\x00\x00\x00", "version 3"),
+        (ninja_deps.MAGIC + b"\x04\x00\x00\x00\x08\x00\x00\x00ab", "truncated"),
+    ],
+)
+def test_malformed_logs_are_refused(data: bytes, message: str) -> None:
+    with pytest.raises(UserError, match=message):
+        ninja_deps.parse(data)
