@@ -24,6 +24,9 @@ open(out + ".d", "w").write(out + ": " + " ".join([source, *headers]) + "\\n")
 """
 
 
+COMMAND = (sys.executable, "-m", "glm5_matrix.cli", "kernel-cache")
+
+
 def _ninja() -> str:
     found = shutil.which("ninja")
     if found:
@@ -115,3 +118,22 @@ def test_keep_only_keeps_the_logs_mtime(built: Path) -> None:
 def test_malformed_logs_are_refused(data: bytes, message: str) -> None:
     with pytest.raises(UserError, match=message):
         ninja_deps.parse(data)
+
+
+def test_the_command_narrows_every_log_under_a_folder(built: Path) -> None:
+    (built / "toolchain/sys.h").unlink()
+    assert _dirty(built)
+    done = subprocess.run(
+        [*COMMAND, "narrow-deps", str(built), "--keep", f"{built}/proj/"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")},
+    )
+    assert done.returncode == 0, done.stderr
+    assert "kept 2 dependencies, dropped 1" in done.stdout
+    assert not _dirty(built)
+
+
+def test_the_command_refuses_a_folder_without_logs(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=r"no \.ninja_deps"):
+        ninja_deps.keep_only_under(tmp_path, ("/x",))

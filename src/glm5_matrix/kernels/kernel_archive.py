@@ -509,6 +509,16 @@ def _import(args: argparse.Namespace) -> int:
     return 0
 
 
+def _narrow_deps(args: argparse.Namespace) -> int:
+    from glm5_matrix.kernels import ninja_deps
+
+    for log, (kept, dropped) in ninja_deps.keep_only_under(
+        Path(args.folder), tuple(args.keep)
+    ).items():
+        print(f"{log}: kept {kept} dependencies, dropped {dropped}")
+    return 0
+
+
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "kernel-cache", help="show, export or import the kernel cache of an interpreter"
@@ -524,6 +534,14 @@ def register(subparsers: Any) -> None:
     )
     imported = actions.add_parser("import", help="merge an archive built for this machine")
     imported.add_argument("file", help="the archive (or the name before .000 of its parts)")
+    narrow = actions.add_parser(
+        "narrow-deps",
+        help="keep in every .ninja_deps under FOLDER only the headers under --keep prefixes "
+        "(a FlashInfer module built on another machine: see kernels/ninja_deps.py)",
+    )
+    narrow.add_argument("folder")
+    narrow.add_argument("--keep", action="append", required=True, metavar="PREFIX")
+    narrow.set_defaults(func=_narrow_deps)
     for sub, func in ((show, _show), (export, _export), (imported, _import)):
         sub.add_argument(
             "--python", help="the cell interpreter (default: $GLM5_MATRIX_PYTHON, else this one)"

@@ -113,3 +113,13 @@ def keep_only(path: Path, prefixes: tuple[str, ...]) -> tuple[int, int]:
         temporary.unlink(missing_ok=True)
         raise
     return kept, dropped
+
+
+def keep_only_under(folder: Path, prefixes: tuple[str, ...]) -> dict[Path, tuple[int, int]]:
+    """keep_only for every .ninja_deps under `folder` (one per FlashInfer module)."""
+    if not folder.is_dir():
+        raise UserError(f"{folder}: folder not found")
+    logs = sorted(folder.rglob(".ninja_deps"))
+    if not logs:
+        raise UserError(f"{folder}: no .ninja_deps under it")
+    return {log: keep_only(log, prefixes) for log in logs}
