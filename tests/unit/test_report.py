@@ -110,6 +110,12 @@ def test_markdown_is_short_and_escaped(built):
     assert "\\| at step 3 &lt;b&gt;" in failure
     assert len(re.findall(r"(?<!\\)\|", failure)) == 4  # three columns
     assert any("repeat.logprob_delta" in line and "outside" in line for line in lines)
+    # a test skipped inside a cell that ran, with its reason; a cell skipped whole only in its row
+    skipped = lines[lines.index("### Skipped tests") :]
+    assert (
+        "| `e2e-cpu` | `tests/suites/test_demo.py::test_needs_gpu` | needs a CUDA GPU |" in skipped
+    )
+    assert not any("e2e-tp1(deep_gemm)" in line for line in skipped)
     for cell in built.cells:
         assert any(line.startswith(f"| `{cell.id}") for line in lines), cell.id
 

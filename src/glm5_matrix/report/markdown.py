@@ -41,6 +41,21 @@ def markdown(report: MatrixReport, max_rows: int = 40) -> str:
             lines.append(f"| `{_md(cell.id)}` | `{_md(test.nodeid)}` | {_md(test.message)} |")
         if len(failures) > max_rows:
             lines.append(f"\n{len(failures) - max_rows} more failures in report.html.")
+    # A check that skipped inside a cell that ran (no power on this runner, a missing GPU for one
+    # test) is the one thing a green row hides; a cell skipped whole says why in its row.
+    skips = [
+        (c, t)
+        for c in report.cells
+        if c.status != "skipped"
+        for t in c.tests
+        if t.outcome == "skipped"
+    ]
+    if skips:
+        lines += ["", "### Skipped tests", "", "| cell | test | reason |", "|---|---|---|"]
+        for cell, test in skips[:max_rows]:
+            lines.append(f"| `{_md(cell.id)}` | `{_md(test.nodeid)}` | {_md(test.message)} |")
+        if len(skips) > max_rows:
+            lines.append(f"\n{len(skips) - max_rows} more skipped tests in report.html.")
     figures = [(c, f) for c in report.cells for f in c.figures]
     if figures:
         lines += [
