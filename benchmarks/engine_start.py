@@ -60,11 +60,17 @@ def warm_run(
 BAR = 0.2  # warm start seconds <= BAR x cold start seconds, for every configuration
 
 
-def recorded_starts(folder: Path, *, slowest: bool = False) -> dict[str, dict[str, Any]]:
-    """{label: engine start entry} of every results.json under `folder`: the first start of a
-    label, or with `slowest` the slowest one."""
+def recorded_starts(
+    folder: Path, *, slowest: bool = False, besides: Path | None = None
+) -> dict[str, dict[str, Any]]:
+    """{label: engine start entry} of every results.json under `folder` but not under `besides`
+    (results/warm lies inside results): the first start of a label, or with `slowest` the
+    slowest one."""
     starts: dict[str, dict[str, Any]] = {}
+    skip = besides.resolve() if besides is not None else None
     for path in sorted(folder.rglob("results.json")):
+        if skip is not None and path.resolve().is_relative_to(skip):
+            continue
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
@@ -112,7 +118,7 @@ def main() -> int:
         if missing:
             sys.exit(f"engine_start.py: --table: {missing[0]}: folder not found")
         cold = recorded_starts(args.table[0])
-        warm = recorded_starts(args.table[1], slowest=True)
+        warm = recorded_starts(args.table[1], slowest=True, besides=args.table[0])
         return table(cold, warm, args.json)
     if args.root is not None and args.root.exists() and any(args.root.iterdir()):
         sys.exit(f"engine_start.py: --root {args.root} is not empty, so not cold")

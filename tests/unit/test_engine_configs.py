@@ -105,6 +105,17 @@ def test_callables_in_arguments_compare_by_what_they_are() -> None:
     assert config_key(one, "k") == config_key(same, "k") != config_key(other, "k")
 
 
+def test_labels_are_the_same_in_every_process() -> None:
+    """The drafted engine's label showed functools.partial's repr, with a memory address: the
+    same configuration had another label in each run, so runs could not be compared by it."""
+    profile = load_profile(GLM)
+    _, drafted = engine_configs.for_cell(_cell("dflash-tp1"), profile)
+    assert " at 0x" not in drafted.label
+    assert "hf_overrides=retarget_taps(taps=(-1, 0, 1, 2, 3))" in drafted.label
+    assert specs.label_value(functools.partial(len, 1, b=2)) == "len(1, b=2)"
+    assert specs.label_value({"method": "mtp"}) == "{'method': 'mtp'}"
+
+
 def test_warm_prompts_come_from_the_profile() -> None:
     assert engine_configs.warm_prompts(load_profile(GLM), 4352) == [
         (64, 24),

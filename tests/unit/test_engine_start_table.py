@@ -60,6 +60,17 @@ def test_table_cold_against_warm_with_the_bar(tmp_path: Path) -> None:
     assert "met by all 2 configuration(s) compared" in done.stdout
 
 
+def test_the_cold_folder_inside_the_warm_one_is_not_read_as_warm(tmp_path: Path) -> None:
+    """`--table results/warm results`: the warm step's own starts are not the cells' starts."""
+    results = tmp_path / "results"
+    _results(results / "warm" / "e2e-tp1-graphs", ("engine:graphs", 415.5, {"triton": 64}))
+    _results(results / "e2e-tp1-graphs", ("engine:graphs", 59.0, {"triton": 0}))
+    done, rows = _table(results / "warm", results, tmp_path / "table.json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    (row,) = rows
+    assert (row["cold"]["seconds"], row["warm"]["seconds"]) == (415.5, 59.0)
+
+
 def test_table_fails_over_the_bar_and_with_nothing_to_compare(tmp_path: Path) -> None:
     cold, warm = tmp_path / "cold", tmp_path / "warm"
     _results(cold / "a", ("engine:a", 100.0, {}), ("engine:only-cold", 50.0, {}))

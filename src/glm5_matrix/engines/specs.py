@@ -6,6 +6,7 @@ gpu_family asks torch."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,8 +53,22 @@ def engine_spec(cell: CellContext, profile: Profile | None = None, **overrides: 
     environment = {**cell.environment, **environment}
     label = f"{profile.name}:{cell.id}"
     if overrides:
-        label += "[" + ",".join(f"{k}={v}" for k, v in sorted(overrides.items())) + "]"
+        shown = (f"{k}={label_value(v)}" for k, v in sorted(overrides.items()))
+        label += "[" + ",".join(shown) + "]"
     return EngineSpec(label=label, model=model, args=args, environment=environment)
+
+
+def label_value(value: Any) -> str:
+    """An override as a label shows it, the same in every process: a function by name, a
+    functools.partial as a call (repr would show a memory address, so that the same
+    configuration got another label in each run and runs could not be compared by label)."""
+    if isinstance(value, functools.partial):
+        args = [label_value(a) for a in value.args]
+        args += [f"{k}={label_value(v)}" for k, v in sorted(value.keywords.items())]
+        return f"{label_value(value.func)}({', '.join(args)})"
+    if callable(value) and hasattr(value, "__qualname__"):
+        return str(value.__qualname__)
+    return str(value)
 
 
 def resolve_model(cell: CellContext, profile: Profile) -> tuple[str, dict[str, Any]]:
