@@ -3,6 +3,8 @@ for real (pytester) on a passing and a failing test."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,8 @@ from packaging.version import Version
 
 from glm5_matrix.errors import UserError
 from glm5_matrix.matrix import known_failures
+from glm5_matrix.matrix.context import for_variant
+from glm5_matrix.matrix.matrix import load_matrix
 from glm5_matrix.matrix.profiles import repo_root
 
 pytest_plugins = ("pytester",)
@@ -45,6 +49,15 @@ def test_registry_parses_and_matches(tmp_path: Path) -> None:
     assert not module.matches("test_other.py::test_upstream_bug", "e2e-tp1(deep_gemm)")
 
 
+def test_a_guard_entry_applies_only_with_the_kernel_guard(tmp_path: Path) -> None:
+    (entry,) = known_failures.load_registry(_write(tmp_path, ENTRY + "guard = true\n"))
+    assert entry.guard
+    assert entry.matches("test_bug.py::test_upstream_bug", "e2e-tp1(deep_gemm)", True)
+    assert not entry.matches("test_bug.py::test_upstream_bug", "e2e-tp1(deep_gemm)", False)
+    (plain,) = known_failures.load_registry(_write(tmp_path, ENTRY))
+    assert plain.matches("test_bug.py::test_upstream_bug", "e2e-tp1(deep_gemm)", False)
+
+
 def test_xfail_only_while_vllm_predates_the_fix(tmp_path: Path) -> None:
     (entry,) = known_failures.load_registry(_write(tmp_path, ENTRY))
     assert entry.expected_to_fail(Version("0.33.0"))
@@ -64,6 +77,7 @@ def test_xfail_only_while_vllm_predates_the_fix(tmp_path: Path) -> None:
         (ENTRY.replace('fixed_in = "0.34.0"', 'fixed_in = "soon"'), "is not a vLLM version"),
         (ENTRY.replace("test_bug.py::", "test_bug.py:"), "must be a pytest node id"),
         (ENTRY + "colour = 1\n", "unknown field(s) ['colour']"),
+        (ENTRY + 'guard = "yes"\n', "`guard` must be true or false"),
         ("[other]\n", "unknown table(s) ['other']"),
         ("[[failure]\n", "not valid TOML"),
     ],
@@ -93,14 +107,25 @@ def test_upstream_bug():
 """
 
 
-def _run(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, vllm: str, fixed: bool):
+def _run(
+    pytester: pytest.Pytester,
+    monkeypatch: pytest.MonkeyPatch,
+    vllm: str,
+    fixed: bool,
+    entry: str = ENTRY,
+    context: dict | None = None,
+):
     root = pytester.path
-    (root / "known-failures.toml").write_text(ENTRY)
+    (root / "known-failures.toml").write_text(entry)
     pytester.makepyfile(test_bug=f"FIXED = {fixed}\n" + BUG_TESTS)
     monkeypatch.setattr(known_failures, "registry_path", lambda: root / "known-failures.toml")
     monkeypatch.setattr(known_failures, "installed_vllm_version", lambda: Version(vllm))
     monkeypatch.setenv("GLM5_MATRIX_CELL", "e2e-tp1(deep_gemm)")
     monkeypatch.delenv("GLM5_MATRIX_CONTEXT", raising=False)
+    if context is not None:  # the context file the runner writes for the cell
+        context_file = root / "context.json"
+        context_file.write_text(json.dumps(context))
+        monkeypatch.setenv("GLM5_MATRIX_CONTEXT", str(context_file))
     monkeypatch.setattr(known_failures, "_MARKED", {})
     monkeypatch.setattr(known_failures, "_STALE", [])
     return pytester.runpytest("-p", "glm5_matrix.matrix.known_failures", "-rA")
@@ -115,6 +140,28 @@ def test_plugin_reports_an_unexpected_pass_as_fixed_upstream(pytester, monkeypat
     result = _run(pytester, monkeypatch, "0.33.0", fixed=True)
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*fixed upstream: remove this entry from known-failures.toml*"])
+
+
+def _context(kernel_guard: bool) -> dict:
+    variant = load_matrix(repo_root() / "matrix.toml").variant("e2e-tp1(deep_gemm)")
+    return asdict(for_variant(variant, kernel_guard=kernel_guard))
+
+
+@pytest.mark.parametrize(("kernel_guard", "outcome"), [(True, "xfailed"), (False, "failed")])
+def test_plugin_applies_a_guard_entry_only_under_the_guard(
+    pytester, monkeypatch, kernel_guard: bool, outcome: str
+) -> None:
+    """Under the guard the entry marks the failing test xfail; without it the test runs plainly
+    and its failure shows (the control)."""
+    result = _run(
+        pytester,
+        monkeypatch,
+        "0.33.0",
+        fixed=False,
+        entry=ENTRY + "guard = true\n",
+        context=_context(kernel_guard),
+    )
+    result.assert_outcomes(**{outcome: 1})
 
 
 def test_plugin_runs_the_test_plainly_once_vllm_has_the_fix(pytester, monkeypatch) -> None:

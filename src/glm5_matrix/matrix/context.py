@@ -60,6 +60,10 @@ class CellContext:
     weights: Weights = field(default_factory=lambda: Weights(kind="dummy"))
     results_dir: str = ""
     vllm: str | None = None  # the vLLM override of this run, if any
+    # The kernel guard of this run (GLM5_MATRIX_KERNEL_GUARD, else GLM5_MATRIX_STRICT): kernels
+    # compiled after the warm-up fail, and compiled-mode engines run vLLM's jit monitor in error
+    # mode. Known failures of that mode only apply with it (known_failures.KnownFailure.guard).
+    kernel_guard: bool = False
 
     def setting(self, name: str, default: Any = None) -> Any:
         return self.settings.get(name, default)

