@@ -107,13 +107,17 @@ def test_callables_in_arguments_compare_by_what_they_are() -> None:
 
 def test_labels_are_the_same_in_every_process() -> None:
     """The drafted engine's label showed functools.partial's repr, with a memory address: the
-    same configuration had another label in each run, so runs could not be compared by it."""
+    same configuration had another label in each run, so runs could not be compared by it.
+    Labels show the canonical form the config keys hash."""
     profile = load_profile(GLM)
     _, drafted = engine_configs.for_cell(_cell("dflash-tp1"), profile)
     assert " at 0x" not in drafted.label
-    assert "hf_overrides=retarget_taps(taps=(-1, 0, 1, 2, 3))" in drafted.label
-    assert specs.label_value(functools.partial(len, 1, b=2)) == "len(1, b=2)"
-    assert specs.label_value({"method": "mtp"}) == "{'method': 'mtp'}"
+    assert (
+        "hf_overrides={'partial': 'glm5_matrix.models.drafters.retarget_taps', 'args': [], "
+        "'keywords': {'taps': [-1, 0, 1, 2, 3]}}"
+    ) in drafted.label
+    mtp = engine_configs.for_cell(_cell("e2e-tp1(deep_gemm)"), profile)[1]
+    assert mtp.label.endswith("[speculative_config={'method': 'mtp', 'num_speculative_tokens': 1}]")
 
 
 def test_warm_prompts_come_from_the_profile() -> None:

@@ -120,6 +120,18 @@ def test_markdown_is_short_and_escaped(built):
         assert any(line.startswith(f"| `{cell.id}") for line in lines), cell.id
 
 
+def test_markdown_caps_each_table_and_says_how_many_more(built):
+    lines = markdown.markdown(built, max_rows=0).splitlines()
+    failures = sum(len(c.failures) for c in built.cells)
+    skips = sum(
+        t.outcome == "skipped" for c in built.cells if c.status != "skipped" for t in c.tests
+    )
+    assert failures and skips
+    assert f"{failures} more failures in report.html." in lines
+    assert f"{skips} more skipped tests in report.html." in lines
+    assert not any(line.startswith("| `e2e-cpu` | `tests/") for line in lines)
+
+
 def test_merged_junit_names_every_test_with_its_cell(built, tmp_path):
     path = tmp_path / "junit.xml"
     junit.merged_junit(built).write(str(path))

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
-import functools
 import hashlib
 import json
 import os
@@ -22,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from glm5_matrix.engines.specs import EngineSpec, engine_spec
+from glm5_matrix.engines.specs import EngineSpec, canonical, engine_spec
 from glm5_matrix.errors import UserError
 from glm5_matrix.files import write_json_atomic
 from glm5_matrix.kernels import kernel_cache
@@ -212,26 +211,6 @@ def for_cell(cell: CellContext, profile: Profile) -> list[Config]:
     raise UserError(f"cell {cell.id}: suite {cell.suite!r} starts no engine, nothing to warm")
 
 
-def _canonical(value: Any) -> Any:
-    """A JSON-able form of engine arguments that is equal for equal configurations: callables
-    by qualified name (functools.partial with its arguments), anything else by repr."""
-    if isinstance(value, dict):
-        return {str(k): _canonical(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
-    if isinstance(value, (list, tuple)):
-        return [_canonical(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, functools.partial):
-        return {
-            "partial": _canonical(value.func),
-            "args": _canonical(value.args),
-            "keywords": _canonical(value.keywords),
-        }
-    if callable(value) and hasattr(value, "__qualname__"):
-        return f"{getattr(value, '__module__', '?')}.{value.__qualname__}"
-    return repr(value)
-
-
 def config_key(config: Config, kernel_dir: str | None = None) -> str:
     """A digest equal for configurations that compile the same kernels into the same kernel
     cache: kind, model, arguments and environment, the label aside."""
@@ -239,8 +218,8 @@ def config_key(config: Config, kernel_dir: str | None = None) -> str:
     data = {
         "kind": kind,
         "model": config.model,
-        "args": _canonical(config.args),
-        "environment": _canonical(config.environment),
+        "args": canonical(config.args),
+        "environment": canonical(config.environment),
         "kernel_cache": kernel_dir or os.environ.get(kernel_cache.ACTIVE_VARIABLE, ""),
     }
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()

@@ -53,22 +53,31 @@ def engine_spec(cell: CellContext, profile: Profile | None = None, **overrides: 
     environment = {**cell.environment, **environment}
     label = f"{profile.name}:{cell.id}"
     if overrides:
-        shown = (f"{k}={label_value(v)}" for k, v in sorted(overrides.items()))
+        shown = (f"{k}={canonical(v)}" for k, v in sorted(overrides.items()))
         label += "[" + ",".join(shown) + "]"
     return EngineSpec(label=label, model=model, args=args, environment=environment)
 
 
-def label_value(value: Any) -> str:
-    """An override as a label shows it, the same in every process: a function by name, a
-    functools.partial as a call (repr would show a memory address, so that the same
-    configuration got another label in each run and runs could not be compared by label)."""
+def canonical(value: Any) -> Any:
+    """A JSON-able form of engine arguments that is equal for equal configurations and the same
+    in every process: callables by qualified name (functools.partial with its arguments; repr
+    would show a memory address), dicts by sorted key, anything else by repr. Config keys
+    (engine_configs.config_key) hash it; labels show it."""
+    if isinstance(value, dict):
+        return {str(k): canonical(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (list, tuple)):
+        return [canonical(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
     if isinstance(value, functools.partial):
-        args = [label_value(a) for a in value.args]
-        args += [f"{k}={label_value(v)}" for k, v in sorted(value.keywords.items())]
-        return f"{label_value(value.func)}({', '.join(args)})"
+        return {
+            "partial": canonical(value.func),
+            "args": canonical(value.args),
+            "keywords": canonical(value.keywords),
+        }
     if callable(value) and hasattr(value, "__qualname__"):
-        return str(value.__qualname__)
-    return str(value)
+        return f"{getattr(value, '__module__', '?')}.{value.__qualname__}"
+    return repr(value)
 
 
 def resolve_model(cell: CellContext, profile: Profile) -> tuple[str, dict[str, Any]]:

@@ -7,12 +7,33 @@ from html import escape
 from typing import Any
 
 from glm5_matrix.matrix.matrix import MATRIX_FILE
-from glm5_matrix.report.model import MatrixReport, figure_verdict, format_value
+from glm5_matrix.report.model import (
+    CellReport,
+    MatrixReport,
+    TestResult,
+    figure_verdict,
+    format_value,
+)
 
 
 def _md(text: Any) -> str:
     """A table cell: one line, pipes escaped, no HTML of a message rendered as HTML."""
     return escape(str(text), quote=False).replace("\n", " ").replace("|", "\\|").strip()
+
+
+def _tests_table(
+    title: str, column: str, noun: str, rows: list[tuple[CellReport, TestResult]], max_rows: int
+) -> list[str]:
+    """A section of one row per test (cell, test, its message), at most `max_rows`; none when
+    there are no rows."""
+    if not rows:
+        return []
+    lines = ["", f"### {title}", "", f"| cell | test | {column} |", "|---|---|---|"]
+    for cell, test in rows[:max_rows]:
+        lines.append(f"| `{_md(cell.id)}` | `{_md(test.nodeid)}` | {_md(test.message)} |")
+    if len(rows) > max_rows:
+        lines.append(f"\n{len(rows) - max_rows} more {noun} in report.html.")
+    return lines
 
 
 def markdown(report: MatrixReport, max_rows: int = 40) -> str:
@@ -35,12 +56,7 @@ def markdown(report: MatrixReport, max_rows: int = 40) -> str:
             f"| {_md(cell.describe_starts() if ran else '')} | {wall} |"
         )
     failures = [(c, t) for c in report.cells for t in c.failures]
-    if failures:
-        lines += ["", "### Failures", "", "| cell | test | first line |", "|---|---|---|"]
-        for cell, test in failures[:max_rows]:
-            lines.append(f"| `{_md(cell.id)}` | `{_md(test.nodeid)}` | {_md(test.message)} |")
-        if len(failures) > max_rows:
-            lines.append(f"\n{len(failures) - max_rows} more failures in report.html.")
+    lines += _tests_table("Failures", "first line", "failures", failures, max_rows)
     # A check that skipped inside a cell that ran (no power on this runner, a missing GPU for one
     # test) is the one thing a green row hides; a cell skipped whole says why in its row.
     skips = [
@@ -50,12 +66,7 @@ def markdown(report: MatrixReport, max_rows: int = 40) -> str:
         for t in c.tests
         if t.outcome == "skipped"
     ]
-    if skips:
-        lines += ["", "### Skipped tests", "", "| cell | test | reason |", "|---|---|---|"]
-        for cell, test in skips[:max_rows]:
-            lines.append(f"| `{_md(cell.id)}` | `{_md(test.nodeid)}` | {_md(test.message)} |")
-        if len(skips) > max_rows:
-            lines.append(f"\n{len(skips) - max_rows} more skipped tests in report.html.")
+    lines += _tests_table("Skipped tests", "reason", "skipped tests", skips, max_rows)
     figures = [(c, f) for c in report.cells for f in c.figures]
     if figures:
         lines += [
