@@ -337,6 +337,63 @@ def test_running_stops_every_server_when_one_fails(tmp_path: Path) -> None:
     assert good.group_members_left() == []
 
 
+# What vLLM 0.32's decode server logged when a NIXL handshake failed (abridged paths).
+_NIXL_FAILURE = textwrap.dedent(
+    """\
+    (Worker pid=30898) ERROR 12-02 15:24:22 [base_worker.py:1318] NIXL transfer failure: handshake_setup_failed | Context: {'failure_type': 'handshake_setup_failed', 'request_id': None}
+    (Worker pid=30898) ERROR 12-02 15:24:22 [base_worker.py:1318] Traceback (most recent call last):
+    (Worker pid=30898) ERROR 12-02 15:24:22 [base_worker.py:1318]   File "nixl/base_worker.py", line 1312, in done_callback
+    (Worker pid=30898) ERROR 12-02 15:24:22 [base_worker.py:1318]     remote_agents, clock_offset = f.result()
+    (Worker pid=30898) ERROR 12-02 15:24:22 [base_worker.py:1318]                                   ^^^^^^^^^^
+    (Worker pid=30898) ERROR 12-02 15:24:22 [base_worker.py:1318] zmq.error.Again: Resource temporarily unavailable
+    INFO:     127.0.0.1:48428 - "POST /v1/completions HTTP/1.1" 500 Internal Server Error
+    """
+)
+
+
+def test_logged_errors_keeps_records_and_exception_lines_not_frames(tmp_path: Path) -> None:
+    log = tmp_path / "server-decode.log"
+    earlier = "(APIServer pid=1) ERROR 12-02 15:20:00 [api.py:1] an earlier error\n"
+    log.write_text(earlier + _NIXL_FAILURE)
+    assert [line.split("] ", 1)[1] for line in servers.logged_errors(log, len(earlier))] == [
+        "NIXL transfer failure: handshake_setup_failed | Context: "
+        "{'failure_type': 'handshake_setup_failed', 'request_id': None}",
+        "zmq.error.Again: Resource temporarily unavailable",
+    ]
+    assert len(servers.logged_errors(log)) == 3  # from the start: the earlier error too
+    assert len(servers.logged_errors(log, limit=1)) == 1
+    assert servers.logged_errors(tmp_path / "missing.log") == []
+
+
+def test_running_notes_what_the_servers_logged_when_the_block_fails(tmp_path: Path) -> None:
+    root = _stub_module_root(tmp_path)
+    server = servers.VllmServer(
+        "decode",
+        "/m",
+        env={"PYTHONPATH": str(root), "STUB_REPORT": str(tmp_path / "decode.json")},
+        log_dir=tmp_path,
+    )
+    with pytest.raises(RuntimeError, match="HTTP 500") as caught, servers.running([server]):
+        with server.log_path.open("a") as log:
+            log.write(_NIXL_FAILURE)
+        raise RuntimeError("http://127.0.0.1:1/v1/completions: HTTP 500: Internal server error")
+    (note,) = caught.value.__notes__
+    assert note.startswith(f"server decode logged (last 2 ERROR records, {server.log_path}):")
+    assert "zmq.error.Again: Resource temporarily unavailable" in note
+    assert "done_callback" not in note
+    assert server.group_members_left() == []
+    # The control: a block that fails with nothing in the logs gets no note.
+    quiet = servers.VllmServer(
+        "quiet",
+        "/m",
+        env={"PYTHONPATH": str(root), "STUB_REPORT": str(tmp_path / "quiet.json")},
+        log_dir=tmp_path,
+    )
+    with pytest.raises(RuntimeError) as caught, servers.running([quiet]):
+        raise RuntimeError("no answer")
+    assert not hasattr(caught.value, "__notes__")
+
+
 @pytest.mark.parametrize(
     ("positions", "visible", "devices"),
     [

@@ -45,6 +45,9 @@ LOG_TAIL_LINES = 40
 STARTING_STOP_GRACE = 5.0
 # vLLM's engine core logs "init engine (...) took X s (compilation: Y s)" (v1/engine/core.py).
 _COMPILATION = re.compile(rb"\(compilation: ([0-9.]+) s")
+# A vLLM log record at level ERROR: "(Worker pid=7) ERROR 12-02 15:24:22 [file.py:1318] message".
+_ERROR_RECORD = re.compile(r"\bERROR \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]*\] (?P<message>.*)$")
+ERROR_NOTE_LINES = 12
 
 
 class ServerError(RuntimeError):
@@ -134,6 +137,29 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     except FileNotFoundError:
         return "(no log)"
     return "\n".join(text.splitlines()[-lines:])
+
+
+def logged_errors(path: Path, since: int = 0, limit: int = ERROR_NOTE_LINES) -> list[str]:
+    """The last `limit` ERROR records vLLM wrote to the log at `path` after byte `since`,
+    tracebacks reduced to their exception line ("RuntimeError: ..."): what explains an HTTP 500,
+    whose body says only "Internal server error"."""
+    try:
+        with path.open("rb") as log:
+            log.seek(since)
+            text = log.read().decode(errors="replace")
+    except FileNotFoundError:
+        return []
+    found = []
+    for line in text.splitlines():
+        match = _ERROR_RECORD.search(line)
+        if match is None:
+            continue
+        message = match["message"]
+        # Traceback frames are indented, their carets too; the exception line is not.
+        if not message or message[0].isspace() or message.startswith("Traceback ("):
+            continue
+        found.append(line.strip())
+    return found[-limit:]
 
 
 class VllmServer:
@@ -272,6 +298,12 @@ class VllmServer:
             ) from None
         return list(json.loads(answer)["results"]) if answer else []
 
+    def log_size(self) -> int:
+        try:
+            return self.log_path.stat().st_size
+        except FileNotFoundError:
+            return 0
+
     def compile_seconds(self) -> float | None:
         """The torch.compile seconds vLLM logged for this server's start, if it did."""
         try:
@@ -346,13 +378,27 @@ def wait_healthy(
 @contextlib.contextmanager
 def running(servers: Sequence[VllmServer]) -> Iterator[Sequence[VllmServer]]:
     """Launch `servers` together (their start-ups overlap), wait for each, and stop all of
-    them on the way out, whatever happens: together too, so that the bound is one server's."""
+    them on the way out, whatever happens: together too, so that the bound is one server's.
+
+    An exception from the block leaves with notes: the ERROR records each server logged while
+    the block ran (a failed request's cause is in the server's log, not in its answer)."""
     try:
         for server in servers:
             server.launch()
         for server in servers:
             server.wait_until_healthy()
-        yield servers
+        ready = {server.label: server.log_size() for server in servers}
+        try:
+            yield servers
+        except Exception as exc:
+            for server in servers:
+                errors = logged_errors(server.log_path, since=ready[server.label])
+                if errors:
+                    exc.add_note(
+                        f"server {server.label} logged (last {len(errors)} ERROR records, "
+                        f"{server.log_path}):\n" + "\n".join(errors)
+                    )
+            raise
     finally:
         launched = [server.proc for server in servers if server.proc is not None]
         grace = max((server.grace() for server in servers), default=0.0)
