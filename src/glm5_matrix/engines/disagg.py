@@ -51,6 +51,21 @@ class RequestFailed(RuntimeError):
         self.body = body
 
 
+# What D's worker logs when its NIXL handshake with P timed out (vLLM 0.32 and 0.33,
+# nixl/base_worker.py): a handshake failure record, and ZMQ's receive timeout as its exception
+# (D waits 5 s, hard-coded, for P's metadata; a thread of P's engine core answers).
+_HANDSHAKE_FAILURE = "NIXL transfer failure: handshake"
+_ZMQ_TIMEOUT = "zmq.error.Again"
+
+
+def handshake_timed_out(logged_errors: Sequence[str]) -> bool:
+    """Whether D's ERROR records (servers.logged_errors) say its NIXL handshake with P timed out:
+    a failure to reach P in time, unlike a handshake P refused (compatibility hash mismatch)."""
+    return any(_HANDSHAKE_FAILURE in line for line in logged_errors) and any(
+        _ZMQ_TIMEOUT in line for line in logged_errors
+    )
+
+
 @dataclass(frozen=True)
 class Completion:
     token_ids: list[int]
