@@ -35,6 +35,7 @@ from typing import Any
 from glm5_matrix.engines.prompts import random_prompt
 from glm5_matrix.engines.specs import EngineSpec, jit_monitor_args
 from glm5_matrix.engines.starts import account_start
+from glm5_matrix.engines.startup_interrupts import reaching_the_caller
 from glm5_matrix.engines.workers import (
     worker_compilation_seconds,
     worker_kv_layout,
@@ -98,7 +99,12 @@ class Engine:
 
             before = kernel_cache.snapshot()
             started = time.monotonic()
-            self._llm = LLM(model=self.spec.model, **self.spec.args, **jit_monitor_args(self.spec))
+            # A Ctrl-C during the start must reach this process's teardown: vLLM swallows one
+            # that lands while it waits for the engine core (startup_interrupts).
+            with reaching_the_caller():
+                self._llm = LLM(
+                    model=self.spec.model, **self.spec.args, **jit_monitor_args(self.spec)
+                )
             self.start_seconds = time.monotonic() - started
             account_start(
                 self.spec.label,
