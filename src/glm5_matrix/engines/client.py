@@ -106,6 +106,13 @@ class Engine:
                     model=self.spec.model, **self.spec.args, **jit_monitor_args(self.spec)
                 )
             self.start_seconds = time.monotonic() - started
+            # vLLM's LLM.__repr__ asks the workers for the model's structure (collective_rpc,
+            # no timeout) unless its cache is set. pytest reprs a traceback's arguments, so a
+            # failure or Ctrl-C with an LLM frame in it waited forever on an engine core that
+            # had stopped (the faults cell's SIGTERM to e2e-cpu while generating, in
+            # pytest_keyboard_interrupt). vLLM's own fallback text, set up front.
+            if hasattr(self._llm, "_cached_repr"):
+                self._llm._cached_repr = f"LLM(model={self.spec.model!r})"
             account_start(
                 self.spec.label,
                 self.start_seconds,
