@@ -14,12 +14,20 @@ from glm5_matrix.matrix.profiles import repo_root
 SCRIPT = repo_root() / "benchmarks" / "engine_start.py"
 
 
-def _results(folder: Path, *starts: tuple[str, float, dict[str, int] | None]) -> None:
+Start = tuple[str, float, dict[str, int] | None] | tuple[str, float, dict[str, int], int | None]
+
+
+def _results(folder: Path, *starts: Start) -> None:
+    """Engine starts as the engines record them; `files_before` (the 4th item) defaults to 0,
+    a start on an empty kernel cache, and None leaves it out as records before it did."""
     entries = []
-    for label, seconds, added in starts:
+    for label, seconds, added, *held in starts:
         entry: dict = {"label": label, "seconds": seconds, "test": None}
         if added is not None:
             entry["compile"] = {"seconds": 0.0, "entries_added": added, "guard": False}
+            before = held[0] if held else 0
+            if before is not None:
+                entry["compile"]["files_before"] = before
         entries.append(entry)
     write_json_atomic(folder / "results.json", {"engine_starts": entries, "tests": {}})
 
@@ -103,3 +111,44 @@ def test_table_bad_input_is_one_line(tmp_path: Path) -> None:
     done, _ = _table(broken, tmp_path, tmp_path / "y.json")
     assert done.returncode != 0 and len(done.stderr.strip().splitlines()) == 1
     assert "not a results file" in done.stderr
+
+
+def test_only_a_start_on_an_empty_cache_is_cold(tmp_path: Path) -> None:
+    """A configuration started after another in one warm step found that one's kernels (the
+    H200's dflash-tp1 target after e2e's: 39.5 s against 38.6 s warm), and one recorded before
+    files_before existed is unknown: both shown and marked, neither held to the bar."""
+    cold, warm = tmp_path / "warm", tmp_path / "cells"
+    _results(
+        cold / "dflash-tp1",
+        ("engine:target", 292.7, {"deep_gemm": 120}, 0),
+        ("engine:drafted", 39.5, {"triton": 48}, 1030),
+        ("engine:old", 300.0, {"triton": 9}, None),
+    )
+    _results(
+        warm / "dflash-tp1",
+        ("engine:target", 46.1, {}),
+        ("engine:drafted", 38.6, {}),
+        ("engine:old", 45.0, {}),
+    )
+    done, rows = _table(cold, warm, tmp_path / "t.json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    by = {row["configuration"]: row for row in rows}
+    assert by["engine:target"]["within"] is True and by["engine:target"]["cold_files_before"] == 0
+    assert by["engine:drafted"]["within"] is None and by["engine:drafted"]["ratio"] == 0.9772
+    assert by["engine:drafted"]["cold_files_before"] == 1030
+    assert by["engine:old"]["within"] is None and by["engine:old"]["cold_files_before"] is None
+    lines = {x.split()[0]: x for x in done.stdout.splitlines() if x.startswith("engine:")}
+    assert "0.98  not cold (1030 files)" in lines["engine:drafted"]
+    assert "not known cold" in lines["engine:old"]
+    assert "met by all 1 configuration(s) compared" in done.stdout
+
+    # The control: the same drafted start on an empty cache is held to the bar and misses it.
+    _results(cold / "dflash-tp1", ("engine:drafted", 39.5, {"triton": 48}, 0))
+    done, rows = _table(cold, warm, tmp_path / "u.json")
+    assert done.returncode == 1
+    assert "missed by 1 of 1: engine:drafted (0.98)" in done.stdout
+
+    only_warm_known = tmp_path / "old"
+    _results(only_warm_known / "x", ("engine:old", 300.0, {"triton": 9}, None))
+    done, _ = _table(only_warm_known, warm, tmp_path / "v.json")
+    assert done.returncode == 1 and "no configuration has both a cold start" in done.stdout

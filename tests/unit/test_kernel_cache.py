@@ -162,6 +162,7 @@ def test_written_counts_new_and_rewritten_files_only(clean_env: Path, monkeypatc
     flashinfer = kernels.directory / "flashinfer" / ".cache" / "flashinfer" / "0.7.2.post1" / "90a"
     old = _touch(triton / "AAA" / "old_kernel.cubin")
     rewritten = _touch(flashinfer / "cached_ops" / "sampling" / "sampling.so")
+    _touch(kernels.directory / "vllm" / "modelinfos" / "Old.json")  # bookkeeping: not a kernel
     before = kernel_cache.snapshot()
 
     _touch(triton / "BBB" / "_fwd_kernel.cubin")  # a new kernel
@@ -185,12 +186,16 @@ def test_written_counts_new_and_rewritten_files_only(clean_env: Path, monkeypatc
     assert set(changed) == {lib.name for lib in kernel_cache.LIBRARIES}
     assert old.is_file()
     monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "0")
-    record = kernel_cache.compile_record(changed, 12.345)
+    record = kernel_cache.compile_record(changed, 12.345, before)
     assert record["seconds"] == 12.35
     assert record["entries_added"]["triton"] == 1 and record["entries_added"]["vllm"] == 0
+    assert record["files_before"] == 2  # old_kernel.cubin and sampling.so, not Old.json
     assert record["guard"] is False
     monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "1")  # the report marks such a start
-    assert kernel_cache.compile_record(changed, None)["guard"] is True
+    assert kernel_cache.compile_record(changed, None, before)["guard"] is True
+    # A start on an empty cache is the cold start engine_start.py compares against.
+    empty = {name: {} for name in before}
+    assert kernel_cache.compile_record(changed, None, empty)["files_before"] == 0
 
 
 def _bump_mtime(path: Path) -> None:

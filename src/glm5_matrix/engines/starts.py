@@ -23,6 +23,6 @@ def account_start(
     compiled."""
     compiled = kernel_cache.written(before, kernel_cache.snapshot())
     record_engine_start(
-        label, seconds, compile=kernel_cache.compile_record(compiled, compile_seconds())
+        label, seconds, compile=kernel_cache.compile_record(compiled, compile_seconds(), before)
     )
     kernel_cache.refuse_compiled(compiled, what)

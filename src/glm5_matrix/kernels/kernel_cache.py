@@ -419,13 +419,28 @@ def written(before: Snapshot, after: Snapshot) -> dict[str, list[str]]:
     return changed
 
 
-def compile_record(changed: Mapping[str, list[str]], seconds: float | None) -> dict[str, object]:
+def kernel_files(snap: Snapshot) -> int:
+    """How many kernel files the caches in the snapshot hold, bookkeeping files aside."""
+    libraries = {lib.name: lib for lib in LIBRARIES}
+    return sum(
+        1
+        for name, held in snap.items()
+        for path in held
+        if not is_bookkeeping(libraries[name], path)
+    )
+
+
+def compile_record(
+    changed: Mapping[str, list[str]], seconds: float | None, before: Snapshot
+) -> dict[str, object]:
     """The "compile" object of a results.json engine start: vLLM's torch.compile seconds, the
-    kernel files each library compiled, and whether the guard was on (then a start that
-    compiled is refused right after this is recorded)."""
+    kernel files each library compiled, the kernel files the cache held when the start began
+    (0: a cold start, the only kind a cold-against-warm comparison may use), and whether the
+    guard was on (then a start that compiled is refused right after this is recorded)."""
     return {
         "seconds": None if seconds is None else round(seconds, 2),
         "entries_added": {name: len(paths) for name, paths in sorted(changed.items())},
+        "files_before": kernel_files(before),
         "guard": guard_enabled(),
     }
 

@@ -44,8 +44,9 @@ class EngineStart:
     # What the start compiled (glm5_matrix.kernels.kernel_cache.compile_record): "seconds", the
     # torch.compile time vLLM reports (null when unknown; the kernel JITs of FlashInfer, Triton,
     # TileLang and DeepGEMM are not timed by their libraries), "entries_added", the kernel files
-    # each library's cache gained or rewrote during the start, and "guard", whether the kernel
-    # guard was on (a start that compiled under it was refused). Left out when not measured.
+    # each library's cache gained or rewrote during the start, "files_before", the kernel files
+    # the cache held when it began (0: a cold start), and "guard", whether the kernel guard was
+    # on (a start that compiled under it was refused). Left out when not measured.
     compile: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
