@@ -1,6 +1,7 @@
 """ninja_deps against ninja itself: a module built on one machine, whose deps log names a toolchain
 header the other machine lacks, is rebuilt there; narrowed to the shared prefixes it is not, and
-a shared header that changed still makes it dirty."""
+a shared header that changed still makes it dirty. And a partial build that travels in a kernel
+archive resumes where it stopped, which takes the objects' exact mtimes."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from scaffold import KERNEL_KEY
 
 from glm5_matrix.errors import UserError
-from glm5_matrix.kernels import ninja_deps
+from glm5_matrix.kernels import kernel_archive, kernel_cache, ninja_deps
 
 # A compiler stand-in: writes the object and a gcc-style depfile naming the headers it "read".
 FAKE_CC = """
@@ -137,3 +139,62 @@ def test_the_command_narrows_every_log_under_a_folder(built: Path) -> None:
 def test_the_command_refuses_a_folder_without_logs(tmp_path: Path) -> None:
     with pytest.raises(UserError, match=r"no \.ninja_deps"):
         ninja_deps.keep_only_under(tmp_path, ("/x",))
+
+
+# Writes the object with the mtime FlashInfer's fused_moe_90 object had on this machine: the tar
+# header's decimal mtime (what Python's tarfile writes, 1796249072.1278017) is 25 ns later.
+STAMPING_CC = """
+import os, sys
+source, out = sys.argv[1:]
+open(out, "w").write("object of " + source)
+open(out + ".d", "w").write(out + ": " + source + "\\n")
+os.utime(out, ns=(1_796_249_072_127_801_675, 1_796_249_072_127_801_675))
+"""
+
+
+def _partial_build(root: Path, sources: Path) -> tuple[kernel_cache.KernelCache, Path]:
+    """A two-object module in the kernel cache's FlashInfer folder, stopped after one object."""
+    kernels = kernel_cache.prepare(
+        kernel_cache.layout(KERNEL_KEY, {kernel_cache.ROOT_VARIABLE: str(root)})
+    )
+    module = kernels.directory / "flashinfer/.cache/flashinfer/0.7.2.post1/90a/cached_ops/m"
+    module.mkdir(parents=True)
+    sources.mkdir()
+    (sources / "cc.py").write_text(STAMPING_CC)
+    for name in ("one.cu", "two.cu"):
+        (sources / name).write_text(name)
+        os.utime(sources / name, (1_700_000_000, 1_700_000_000))
+    (module / "build.ninja").write_text(
+        "rule cc\n"
+        f"  command = {sys.executable} {sources}/cc.py $in $out\n"
+        "  depfile = $out.d\n"
+        "  deps = gcc\n"
+        f"build {module}/one.o: cc {sources}/one.cu\n"
+        f"build {module}/two.o: cc {sources}/two.cu\n"
+    )
+    _run(module, f"{module}/one.o")  # the runner went before two.o
+    return kernels, module
+
+
+def _to_run(module: Path) -> list[str]:
+    return [line.rsplit("/", 1)[-1] for line in _run(module, "-n").splitlines() if "[" in line]
+
+
+def test_a_partial_build_resumes_from_the_archive_and_not_from_plain_tar(tmp_path: Path) -> None:
+    kernels, module = _partial_build(tmp_path / "root", tmp_path / "src")
+    assert len(_to_run(module)) == 1  # two.o only
+    archive = tmp_path / "kernels.tar.gz"
+    kernel_archive.export_archive(kernels, archive)
+    shutil.rmtree(kernels.directory)
+    kernel_archive.import_archive(archive, kernel_cache.prepare(kernels))
+    assert (module / "one.o").is_file()
+    assert len(_to_run(module)) == 1, _run(module, "-n", "-d", "explain")
+
+    # The control: the same archive unpacked by GNU tar, which restores the header's decimal
+    # mtime; ninja's deps log recorded the object's to the nanosecond and finds it newer.
+    shutil.rmtree(kernels.directory)
+    kernels.directory.mkdir()
+    subprocess.run(["tar", "-xzf", str(archive), "-C", str(kernels.directory)], check=True)
+    assert (module / "one.o").stat().st_mtime_ns == 1_796_249_072_127_801_700
+    assert len(_to_run(module)) == 2
+    assert "stored deps info out of date" in _run(module, "-n", "-d", "explain")
