@@ -137,6 +137,7 @@ LIBRARIES = (
     Library("torch_extensions", "TORCH_EXTENSIONS_DIR", "torch_extensions", ("*.ninja_*",)),
     Library("cuda", "CUDA_CACHE_PATH", "cuda", ("index",)),
 )
+_BY_NAME = {library.name: library for library in LIBRARIES}
 LIBRARY_NAMES = tuple(library.name for library in LIBRARIES)
 
 # The distributions whose versions key the cache (the first one installed of each tuple).
@@ -358,6 +359,11 @@ def is_bookkeeping(library: Library, relative: str) -> bool:
     )
 
 
+def is_kernel(name: str, relative: str) -> bool:
+    """A file of library `name`'s cache that counts as a compiled kernel (not bookkeeping)."""
+    return not is_bookkeeping(_BY_NAME[name], relative)
+
+
 def files(folder: Path) -> dict[str, tuple[int, int]]:
     """{relative path: (size, mtime_ns)} of the files under `folder`, transient ones left out.
     Files that vanish while the folder is walked (a library's rename) are skipped."""
@@ -406,7 +412,6 @@ def touched(then: FileState, now: FileState) -> bool:
 def written(before: Snapshot, after: Snapshot) -> dict[str, list[str]]:
     """{library: [files created, or rewritten with other bytes, between the snapshots]} for
     every library in `after` (empty lists included), bookkeeping files aside."""
-    libraries = {lib.name: lib for lib in LIBRARIES}
     changed: dict[str, list[str]] = {}
     for name, now in after.items():
         then = before.get(name, {})
@@ -414,20 +419,14 @@ def written(before: Snapshot, after: Snapshot) -> dict[str, list[str]]:
             path
             for path, state in now.items()
             if (path not in then or (then[path] != state and not touched(then[path], state)))
-            and not is_bookkeeping(libraries[name], path)
+            and is_kernel(name, path)
         )
     return changed
 
 
 def kernel_files(snap: Snapshot) -> int:
     """How many kernel files the caches in the snapshot hold, bookkeeping files aside."""
-    libraries = {lib.name: lib for lib in LIBRARIES}
-    return sum(
-        1
-        for name, held in snap.items()
-        for path in held
-        if not is_bookkeeping(libraries[name], path)
-    )
+    return sum(1 for name, held in snap.items() for path in held if is_kernel(name, path))
 
 
 def compile_record(
