@@ -24,9 +24,11 @@ start under WARM (a cell may start one configuration more than once), and the ra
 against the bar, warm <= 0.2 x cold (issue 26). Only a start that began on an empty kernel cache
 is cold (its record's `files_before` is 0): a configuration started after another in the same
 warm step finds that one's kernels, and one recorded before `files_before` existed is unknown;
-both are shown, marked, and not held to the bar. To measure such a configuration cold, run it
-alone: `engine_start.py CELL --root EMPTY_DIR`. Exit status 1 when a configuration is over the
-bar, or when no configuration has both a cold and a warm start to compare.
+both are shown, marked, and not held to the bar. A configuration that is the first its cell
+starts is measured cold by `engine_start.py CELL --root EMPTY_DIR`; one its cell starts after
+another (an MTP or drafted engine) is not, since the warm step starts a cell's configurations in
+order. Exit status 1 when a configuration is over the bar, or when no configuration has both a
+cold and a warm start to compare.
 """
 
 from __future__ import annotations
