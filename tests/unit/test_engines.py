@@ -43,6 +43,29 @@ def test_block_recorder_keeps_requests_apart() -> None:
     assert records == {"a": [[[1]]], "b": [[[2]], [[2, 3]]]}
 
 
+def _chunk_step(new=(), cached=()):
+    """A SchedulerOutput-shaped step for the chunk recorder: (id, computed before, scheduled)."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, num_computed_tokens=c) for r, c, _ in new],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, _, _ in cached], num_computed_tokens=[c for _, c, _ in cached]
+        ),
+        num_scheduled_tokens={r: n for r, _, n in (*new, *cached)},
+    )
+
+
+def test_chunk_recorder_keeps_each_requests_chunks() -> None:
+    records: dict = {}
+    # A cold prefill chunked at the block, and a prefix hit of one block beside it.
+    workers.record_chunks(records, _chunk_step(new=[("cold", 0, 4352), ("hit", 4352, 2176)]))
+    workers.record_chunks(records, _chunk_step(cached=[("cold", 4352, 2176), ("hit", 6528, 1)]))
+    workers.record_chunks(records, _chunk_step(cached=[("cold", 6528, 1)]))
+    assert records == {
+        "cold": [[0, 4352], [4352, 2176], [6528, 1]],
+        "hit": [[4352, 2176], [6528, 1]],
+    }
+
+
 def _cell(**settings) -> CellContext:
     return CellContext(
         cell="e2e-tp2",

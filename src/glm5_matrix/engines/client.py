@@ -43,6 +43,7 @@ from glm5_matrix.engines.workers import (
     worker_page_digests,
     worker_read_pages,
     worker_recorded_block_tables,
+    worker_recorded_chunks,
     worker_scheduler_limits,
     worker_start_block_recorder,
 )
@@ -280,6 +281,12 @@ class Engine:
         """{request id: [block ids per group, one entry per step where they changed]} for the
         requests seen since the recorder started or was last cleared."""
         return self.rpc(worker_recorded_block_tables, clear)[0]
+
+    def recorded_chunks(self, clear: bool = True) -> dict[str, list[list[int]]]:
+        """{request id: [[first position, tokens] per step]} for the requests seen since the
+        recorder (record_block_tables) started or was last cleared: how each prefill was
+        chunked, as the worker was told to compute it."""
+        return self.rpc(worker_recorded_chunks, clear)[0]
 
     def read_pages(self, layer_blocks: Sequence[tuple[str, int]]) -> list[list[Any]]:
         """For each (layer, block id): that block's page of each of the layer's state tensors,

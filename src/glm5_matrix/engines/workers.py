@@ -241,7 +241,7 @@ def _span(tensor: Any) -> tuple[int, int, int]:
 
 def worker_start_block_recorder(worker: Any) -> None:
     """Wrap the worker's per-step `execute_model(scheduler_output)` to remember each request's
-    block table per KV cache group.
+    block table per KV cache group, and the chunks (first position, tokens) it computes.
 
     Why: a request's block ids live only in the scheduler and, while it runs, in the runner;
     the checkpoint-page check needs them after the request finished. The tables are rebuilt
@@ -253,11 +253,14 @@ def worker_start_block_recorder(worker: Any) -> None:
     if getattr(target, "_glm5_block_records", None) is not None:
         return
     records: dict[str, list[list[list[int]]]] = {}
+    chunks: dict[str, list[list[int]]] = {}
     target._glm5_block_records = records
+    target._glm5_chunk_records = chunks
     original = target.execute_model
 
     def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         record_block_tables(records, scheduler_output)
+        record_chunks(chunks, scheduler_output)
         return original(scheduler_output, *args, **kwargs)
 
     target.execute_model = execute_model
@@ -281,6 +284,28 @@ def record_block_tables(records: dict[str, list[list[list[int]]]], scheduler_out
                 req_id,
                 [old + list(ids) for old, ids in zip(history[-1], new_ids, strict=True)],
             )
+
+
+def record_chunks(chunks: dict[str, list[list[int]]], scheduler_output: Any) -> None:
+    """Append this step's [first position, token count] to each scheduled request's list: the
+    chunks the worker is told to compute (a prefill split at a block boundary shows as
+    [[0, block], [block, rest]]; a prefix hit of `block` tokens as [[block, rest]])."""
+    starts = {
+        new.req_id: int(new.num_computed_tokens) for new in scheduler_output.scheduled_new_reqs
+    }
+    cached = scheduler_output.scheduled_cached_reqs
+    for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
+        starts[req_id] = int(computed)
+    for req_id, count in scheduler_output.num_scheduled_tokens.items():
+        chunks.setdefault(req_id, []).append([starts.get(req_id, -1), int(count)])
+
+
+def worker_recorded_chunks(worker: Any, clear: bool) -> dict[str, list[list[int]]]:
+    live = getattr(getattr(worker, "worker", worker), "_glm5_chunk_records", None)
+    records = dict(live or {})
+    if clear and live is not None:
+        live.clear()
+    return records
 
 
 def _record(records: dict[str, list[list[list[int]]]], req_id: str, table: list[list[int]]) -> None:
