@@ -167,3 +167,31 @@ def test_rejects_by_token() -> None:
     # A control that changed nothing passes the token rule: the comparison proves nothing.
     with pytest.raises(judging.NoPower, match="passes the token rule"):
         comparison.rejects_by_token(runs[0], runs[2], ("target-only", "unchanged"))
+
+
+def test_the_prefill_step_is_judged_by_its_own_noise() -> None:
+    """Cold runs equal at their first step and noisy after it (what decode steps add on the
+    H200): the whole run's tolerance cannot tell a control that moved only the first step by a
+    few steps of the logits, the prefill step's can, with power."""
+    logits = model_logits(1, lead=DECISIVE)
+    runs = [greedy([logits[0], *nudged(logits[1:], 8 * k)]) for k in range(4)]
+    whole = judging.repeated("repeat", runs, "cold", TOLERANCES)
+    prefill = judging.prefill_step("repeat_prefill", runs, "cold", TOLERANCES, whole.floor.step)
+    assert prefill.floor.worst == 0.0 and prefill.floor.tolerance == STEP
+    assert whole.floor.tolerance > 20 * STEP
+    assert _figures()["repeat_prefill.noise_pairs"].value == 6
+    control = greedy(nudged(logits[:1], 12, every=2) + logits[1:])
+    assert prefill.rejects(judging.first_step(runs[0]), judging.first_step(control), ("c", "x"))
+    assert _figures()["repeat_prefill.x.power"].value >= 2.0
+    with pytest.raises(AssertionError, match="passes the comparison"):
+        whole.rejects(runs[0], control, ("cold", "control"))
+    # A run with the reference's first step agrees there.
+    prefill.agrees(judging.first_step(runs[0]), judging.first_step(runs[3]), ("c", "r"))
+
+
+def test_first_step_keeps_the_prefills_output_alone() -> None:
+    run = greedy(model_logits(2, lead=DECISIVE))
+    first = judging.first_step(run)
+    assert first.token_ids == [run.token_ids[0]]
+    assert first.top_logprobs == [dict(run.top_logprobs[0])]
+    assert first.logprobs == [run.logprobs[0]]

@@ -12,6 +12,7 @@ run or control NAME.SLUG.worst_delta, .matched_tokens, .power, .tokens_compared,
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Callable
@@ -20,7 +21,13 @@ from typing import Any
 
 from glm5_matrix.results.recorder import record_figure, record_outputs
 from glm5_matrix.verdicts import compare
-from glm5_matrix.verdicts.compare import Agreement, NoiseFloor, Scored, TokenAgreement
+from glm5_matrix.verdicts.compare import (
+    Agreement,
+    GreedyOutput,
+    NoiseFloor,
+    Scored,
+    TokenAgreement,
+)
 
 # Candidates per step kept for the rule (each side's token must be among the other's).
 TOP_LOGPROBS = 5
@@ -269,24 +276,22 @@ def _slug(text: str) -> str:
     return "_".join("".join(c if c.isalnum() else " " for c in text.lower()).split())
 
 
-def reference_repeated(
+def reference_runs(
     engine: Any,
     prompt: list[int],
     max_tokens: int,
-    name: str,
     tolerances: dict[str, Any],
     names_prefix: str = "cold",
     reset: Callable[[], object] | None = None,
-) -> tuple[Scored, Comparison]:
-    """The reference: `prompt` on a running glm5_matrix.engines.client.Engine from an empty prefix cache
-    (emptied by `reset`, default the engine's reset_prefix_cache), done the profile's
-    reference_repeats times. Returns the first run and the comparison measured from all of them
-    (repeated(): the profile's min_distinct_tokens, min_median_margin_steps and min_power)."""
+) -> list[Scored]:
+    """`prompt` on a running glm5_matrix.engines.client.Engine from an empty prefix cache (emptied
+    by `reset`, default the engine's reset_prefix_cache), done the profile's reference_repeats
+    times; every run must be cold."""
     repeats = int(tolerances["reference_repeats"])
     if repeats < MIN_REFERENCE_REPEATS:
         raise ValueError(
-            f"{name}: reference_repeats = {repeats}; at least {MIN_REFERENCE_REPEATS} runs are "
-            "needed for a spread of the noise"
+            f"reference_repeats = {repeats}; at least {MIN_REFERENCE_REPEATS} runs are needed "
+            "for a spread of the noise"
         )
     runs: list[Scored] = []
     for i in range(repeats):
@@ -299,7 +304,51 @@ def reference_repeated(
             f"{names_prefix} #{i + 1} is not cold: {run.cached_tokens} cached"
         )
         runs.append(run)
+    return runs
+
+
+def reference_repeated(
+    engine: Any,
+    prompt: list[int],
+    max_tokens: int,
+    name: str,
+    tolerances: dict[str, Any],
+    names_prefix: str = "cold",
+    reset: Callable[[], object] | None = None,
+) -> tuple[Scored, Comparison]:
+    """The reference (reference_runs) and the comparison measured from all of its runs
+    (repeated(): the profile's min_distinct_tokens, min_median_margin_steps and min_power).
+    Returns the first run and the comparison."""
+    runs = reference_runs(engine, prompt, max_tokens, tolerances, names_prefix, reset)
     return runs[0], repeated(name, runs, names_prefix, tolerances)
+
+
+def first_step(output: Scored) -> GreedyOutput:
+    """The output's first step alone: what the prefill itself computed, before any decode step
+    (the token chosen from the prompt's last position and its candidates)."""
+    return GreedyOutput(
+        [int(output.token_ids[0])],
+        [float(output.logprobs[0])],
+        [dict(output.top_logprobs[0])],
+        getattr(output, "cached_tokens", None),
+    )
+
+
+def prefill_step(
+    name: str, runs: list[Any], names_prefix: str, tolerances: dict[str, Any], step: float
+) -> Comparison:
+    """The reference runs (repeated() has judged them whole) compared at their first step
+    alone, the prefill's own output: the noise of that step as a distribution over every pair,
+    the tolerance from it as in repeated() with `step`, the logit step read off the whole runs,
+    and the profile's min_power for its controls. What a wrong prefix-cache state changes first
+    is this step; the decode steps after it add noise of their own (on the H200 the sparse
+    indexer's top-k at every step), which a comparison of the whole run must allow for."""
+    names = [f"{names_prefix} #{i + 1}" for i in range(len(runs))]
+    floor = dataclasses.replace(
+        compare.noise_spread([first_step(r) for r in runs], names), step=step
+    )
+    _record_floor(name, floor)
+    return Comparison(name, floor, float(tolerances["min_power"]))
 
 
 def runner_up_control(
