@@ -20,7 +20,7 @@ from glm5_matrix.engines.prompts import with_other_tokens
 from glm5_matrix.matrix.context import CellContext
 from glm5_matrix.matrix.profiles import Profile
 from glm5_matrix.results.recorder import record_figure
-from glm5_matrix.verdicts import compare, judging, transfers
+from glm5_matrix.verdicts import chunks, compare, judging, transfers
 from glm5_matrix.verdicts.layout import LayoutPlan, plan_layout
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("no_surviving_children")]
@@ -94,18 +94,26 @@ def test_offload_round_trip(engine: Engine, profile: Profile, plan: LayoutPlan) 
     store_wait = float(profile.section("offload")["store_wait_s"])
 
     # Cold, reference_repeats times, from an empty GPU cache and an empty CPU store: the cold
-    # noise.
-    cold, _cold_floor = judging.reference_repeated(
+    # noise. Its prefill ends a chunk at the first block boundary (the profile's
+    # prefill_chunk_blocks), so that from there on it takes the warm run's path.
+    engine.record_block_tables()  # and the chunks each request computes
+    engine.recorded_chunks(clear=True)
+    colds = judging.reference_runs(
         engine,
         prompt,
         max_tokens,
-        "offload_cold",
         tolerances,
         reset=lambda: _reset_when_stored(engine, store_wait, reset_connector=True),
     )
+    cold_chunks = chunks.prompt_runs(engine.recorded_chunks(), length)
+    assert len(cold_chunks) == len(colds), f"{len(cold_chunks)} cold requests recorded"
+    cold = colds[0]
+    cold_floor = judging.repeated("offload_cold", colds, "cold", tolerances)
+    cold_prefill = judging.prefill_step(
+        "offload_cold_prefill", colds, "cold", tolerances, cold_floor.floor.step
+    )
     # The same prompt again from the GPU prefix cache, as many times: what a faithful CPU round
     # trip must give, and the noise of that path.
-    engine.record_block_tables()
     engine.recorded_block_tables(clear=True)
     repeats = [
         engine.generate_scored(prompt, max_tokens, TOP_LOGPROBS)
@@ -126,8 +134,10 @@ def test_offload_round_trip(engine: Engine, profile: Profile, plan: LayoutPlan) 
     engine.recorded_block_tables(clear=True)  # what the reset's polling requests left
     # The GPU prefix cache was just reset, so every cached token of the warm run came back
     # from the CPU side.
+    engine.recorded_chunks(clear=True)
     warm = engine.generate_scored(prompt, max_tokens, TOP_LOGPROBS)
     (warm_table,) = _tables(engine, 1)
+    (warm_chunks,) = chunks.prompt_runs(engine.recorded_chunks(), length)
     hits = int(warm.cached_tokens or 0)
     print(f"stores done after {waited:.1f} s; warm run: {hits} prompt tokens from the CPU side")
     record_figure("offload.cpu_hit_tokens", hits, unit="tokens")
@@ -145,19 +155,22 @@ def test_offload_round_trip(engine: Engine, profile: Profile, plan: LayoutPlan) 
     with pytest.raises(AssertionError, match="differ"):
         transfers.check_copied(stored, transfers.swapped(restored))
     # The restored blocks are the GPU's bytes: the warm run resumes from the same state along
-    # the same path as the GPU prefix-cache repeat, judged by the repeats' noise. Against the
-    # cold run (a full prefill: another path, as test_e2e's repeat) the differences are
-    # recorded, not judged: on the H200 the cold runs' own noise (the sparse indexer's top-k,
-    # whose output order follows atomics: tests/suites/test_noise_source.py) left no decisive
-    # step to compare (cold tolerance 0.82 against a first-step margin of 0.125), so a token
-    # rule there could neither pass nor reject for a reason; the byte check above is what
-    # shows the restore exact.
+    # the same path as the GPU prefix-cache repeat, judged by the repeats' noise; and, since the
+    # cold prefill ended a chunk at the same boundary (checked on the chunks the worker
+    # computed), along the cold run's path from there: judged by the cold runs' noise, at the
+    # prefill's own output and over the whole run.
     repeat_floor.agrees(repeats[0], warm, ("GPU repeat", "warm from CPU"))
+    for cold_run in cold_chunks:
+        chunks.check_repeat_path(cold_run, warm_chunks, length, block)
+    record_figure("offload.cold_chunks", [list(c) for c in cold_chunks[0]])
+    record_figure("offload.warm_chunks", [list(c) for c in warm_chunks])
     record_figure(
         "offload.cold_vs_warm_step_deltas",
         [round(d, 6) for d in compare.step_deltas(cold, warm, len(cold.token_ids))],
         unit="nats",
     )
+    cold_prefill.agrees(judging.first_step(cold), judging.first_step(warm), ("cold", "warm"))
+    cold_floor.agrees(cold, warm, ("cold", "warm from CPU"))
     # What a restore of wrong or stale bytes amounts to: the prompt whose restored block holds
     # other tokens. The comparison must reject it with at least min_power.
     changed = round(float(tolerances["control_changed_blocks"]) * block)
@@ -166,3 +179,4 @@ def test_offload_round_trip(engine: Engine, profile: Profile, plan: LayoutPlan) 
     )
     stale = engine.generate_scored(stale_prompt, max_tokens, TOP_LOGPROBS)
     repeat_floor.rejects(repeats[0], stale, ("GPU repeat", "stale block"))
+    cold_prefill.rejects(judging.first_step(cold), judging.first_step(stale), ("cold", "stale"))

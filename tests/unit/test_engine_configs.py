@@ -74,10 +74,14 @@ def test_equal_configurations_of_two_cells_share_a_key_and_others_do_not() -> No
     profile = load_profile(GLM)
     e2e_target = engine_configs.for_cell(_cell("e2e-tp1(deep_gemm)"), profile)[0]
     dflash_target = engine_configs.for_cell(_cell("dflash-tp1"), profile)[0]
-    assert e2e_target.label != dflash_target.label
-    assert config_key(e2e_target, "k") == config_key(dflash_target, "k")
+    noise_target = engine_configs.for_cell(_cell("noise-tp1"), profile)[0]
+    assert e2e_target.label != noise_target.label
+    assert config_key(e2e_target, "k") == config_key(noise_target, "k")
     # Another kernel cache (other versions or GPU) is another warm-up.
-    assert config_key(e2e_target, "k") != config_key(dflash_target, "other")
+    assert config_key(e2e_target, "k") != config_key(noise_target, "other")
+    # DFlash's target alone runs no prefix-cache repeat: vLLM's own chunk budget, another
+    # configuration than e2e's (whose prefill is chunked at the block).
+    assert config_key(e2e_target, "k") != config_key(dflash_target, "k")
     keys = {
         config_key(spec, "k")
         for variant in (
@@ -90,9 +94,9 @@ def test_equal_configurations_of_two_cells_share_a_key_and_others_do_not() -> No
         )
         for spec in engine_configs.for_cell(_cell(variant), profile)
     }
-    # e2e x2 backends x (target, MTP) + 2 offload + the dflash drafted engine + the PD server;
-    # the dflash target is e2e-tp1(deep_gemm)'s.
-    assert len(keys) == 4 + 2 + 1 + 1
+    # e2e x2 backends x (target, MTP) + 2 offload + the dflash target and drafted engine + the PD
+    # server.
+    assert len(keys) == 4 + 2 + 2 + 1
 
 
 def test_callables_in_arguments_compare_by_what_they_are() -> None:
@@ -144,3 +148,29 @@ def test_the_ledger_remembers_across_readers(tmp_path: Path) -> None:
     second.add("k1", "dflash-tp1 glm:dflash")  # the first one stays
     assert second.warmed_by("k1") == "e2e-tp1(deep_gemm) glm:e2e"
     assert WarmLedger(path).warmed_by("k2") is None
+
+
+@pytest.mark.parametrize(("tp", "block"), [("tp1", 4352), ("tp2", 2176)])
+def test_the_repeats_references_end_a_chunk_at_the_block(tp: str, block: int) -> None:
+    """The engines whose cold reference a prefix-cache repeat is judged against get a chunk
+    budget of one planned block; the MTP engine and DFlash's keep vLLM's own."""
+    profile = load_profile(GLM)
+    target, mtp = engine_configs.for_cell(_cell(f"e2e-{tp}(deep_gemm)"), profile)
+    assert target.args["max_num_batched_tokens"] == block
+    assert "max_num_batched_tokens" not in mtp.args
+
+
+def test_offload_and_noise_chunk_at_the_block_and_dflash_does_not() -> None:
+    profile = load_profile(GLM)
+    (offload,) = engine_configs.for_cell(_cell("offload-tp1(offloading)"), profile)
+    (noise,) = engine_configs.for_cell(_cell("noise-tp1"), profile)
+    assert offload.args["max_num_batched_tokens"] == noise.args["max_num_batched_tokens"] == 4352
+    for spec in engine_configs.for_cell(_cell("dflash-tp1"), profile):
+        assert "max_num_batched_tokens" not in spec.args
+
+
+def test_a_chunk_budget_needs_the_planner(monkeypatch: pytest.MonkeyPatch) -> None:
+    profile = load_profile("tiny-hybrid-cpu")
+    monkeypatch.setitem(profile.data["prompts"], "prefill_chunk_blocks", 1)
+    with pytest.raises(UserError, match="prefill_chunk_blocks needs the layout planner"):
+        engine_configs.prefill_chunk_args(_cell("e2e-cpu"), profile)

@@ -58,9 +58,36 @@ def mtp_speculative_config(profile: Profile) -> dict[str, Any] | None:
     return {"method": "mtp", "num_speculative_tokens": int(mtp["num_speculative_tokens"])}
 
 
+def prefill_chunk_args(cell: CellContext, profile: Profile) -> dict[str, Any]:
+    """`max_num_batched_tokens` of [prompts] prefill_chunk_blocks blocks, where the profile asks
+    for it: the engines whose cold reference is compared with a prefix-cache repeat (test_e2e's
+    shared engine, test_offload's, and test_noise_source's plain one, which is e2e's), so that
+    the cold prefill ends a chunk at the first block boundary and its second chunk has the
+    repeat's shapes (glm5_matrix.verdicts.chunks, which the suites check on the chunks the
+    worker computed). vLLM's align-mode scheduler ends a chunk at the last cacheable boundary by
+    itself unless the Mamba backend saves the checkpoint inside the chunk (GLM-5.3-Flash's
+    flashkda KDA does: the whole prompt then runs in one pass); a chunk budget of one block
+    makes it end there (v1/core/sched/scheduler.py _mamba_block_aligned_split, 0.32 and 0.33).
+    The block is the layout planner's for the cell's TP (no speculative tokens, bf16 KV), which
+    test_kv_layout checks against the engine's."""
+    blocks = profile.section("prompts").get("prefill_chunk_blocks")
+    if blocks is None:
+        return {}
+    if "layout" not in profile.data:
+        raise UserError(
+            f"profile {profile.name}: [prompts] prefill_chunk_blocks needs the layout planner's "
+            "[layout] table to know the block size before the engine starts"
+        )
+    from glm5_matrix.verdicts.layout import plan_layout
+
+    plan = plan_layout(profile.config(), tp=cell.tp or 1)
+    return {"max_num_batched_tokens": int(blocks) * plan.block_size}
+
+
 def e2e_specs(cell: CellContext, profile: Profile) -> list[EngineSpec]:
-    """The shared engine of test_e2e, then its MTP engine where the profile has a drafter."""
-    specs = [engine_spec(cell, profile)]
+    """The shared engine of test_e2e (its prefill chunked at the block where the profile asks:
+    prefill_chunk_args), then its MTP engine where the profile has a drafter."""
+    specs = [engine_spec(cell, profile, **prefill_chunk_args(cell, profile))]
     speculative = mtp_speculative_config(profile)
     if speculative is not None:
         specs.append(engine_spec(cell, profile, speculative_config=speculative))
@@ -82,7 +109,9 @@ def offload_spec(cell: CellContext, profile: Profile, cpu_bytes: int) -> EngineS
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes},
     }
-    return engine_spec(cell, profile, kv_transfer_config=transfer)
+    return engine_spec(
+        cell, profile, kv_transfer_config=transfer, **prefill_chunk_args(cell, profile)
+    )
 
 
 def offload_cpu_bytes(cell: CellContext, profile: Profile) -> int:
@@ -114,7 +143,7 @@ def noise_specs(cell: CellContext, profile: Profile) -> list[EngineSpec]:
     """test_noise_source's engines: the plain one (equal to test_e2e's shared engine), then the
     same in vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1), which the suite starts only
     where every attention backend of the model declares support for it."""
-    plain = engine_spec(cell, profile)
+    plain = engine_spec(cell, profile, **prefill_chunk_args(cell, profile))
     invariant = dataclasses.replace(
         plain,
         label=f"{plain.label}[VLLM_BATCH_INVARIANT=1]",
