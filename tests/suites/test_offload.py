@@ -1,11 +1,14 @@
 """KV offload round trip (offload-tp1, per connector): cold greedy generate (the profile's
-reference_repeats times: the noise as a distribution), the GPU prefix-cache repeat (as many
-times), wait (bounded) until the asynchronous offload stores are done and reset_prefix_cache()
-succeeds, then warm generate: the prompt must come back from the CPU side (external prefix-cache
-hits), the restored pages must be the stored ones byte for byte, and the output must agree with
-the GPU repeat up to the engine's own noise, while a prompt whose restored block holds other
-tokens is rejected by the same rule with at least the profile's min_power. Both connectors need
-a CUDA GPU (their worker side refuses the CPU platform)."""
+reference_repeats times: the noise as a distribution; its prefill ends a chunk at the first
+block boundary, so from there it takes the warm run's path), the GPU prefix-cache repeat (as
+many times), wait (bounded) until the asynchronous offload stores are done and
+reset_prefix_cache() succeeds, then warm generate: the prompt must come back from the CPU side
+(external prefix-cache hits), the restored pages must be the stored ones byte for byte, and the
+output must agree with the GPU repeat and with the cold runs (checked to split where the warm
+run resumes; at the prefill step and over the whole run) up to the engine's own noise, while a
+prompt whose restored block holds other tokens is rejected by the same rule with at least the
+profile's min_power. Both connectors need a CUDA GPU (their worker side refuses the CPU
+platform)."""
 
 from __future__ import annotations
 
