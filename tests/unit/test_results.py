@@ -88,6 +88,11 @@ def test_results_json_holds_outcomes_starts_and_figures(
     failed = data["tests"]["test_cell.py::test_fails"]
     assert failed["message"] == "AssertionError: planted"
     assert "message" not in data["tests"]["test_cell.py::test_measures"]
+    # An expected failure keeps what it raised beside the registry's reason: a known failure can
+    # fail for another reason than the one it is listed for.
+    known = data["tests"]["test_cell.py::test_known"]
+    assert known["outcome"] == "xfailed" and known["reason"] == "known upstream"
+    assert known["message"] == "assert False", known
     assert data["tests"]["test_cell.py::test_known"]["reason"] == "known upstream"
     summary = closing.summarize(tmp_path / "results")
     assert "1 failed, 1 passed, 1 skipped" in summary

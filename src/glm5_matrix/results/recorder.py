@@ -176,6 +176,8 @@ class ResultsPlugin:
             entry["outcome"] = "xpassed" if report.passed else "xfailed"
             if report.wasxfail:
                 entry["reason"] = str(report.wasxfail)
+            if not report.passed:  # what it raised: a known failure may fail for another reason
+                entry["message"] = first_line(_failure_message(report))
         elif report.failed:
             entry["outcome"] = "error" if report.when != "call" else "failed"
             entry.setdefault("message", first_line(_failure_message(report)))
