@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from glm5_matrix.errors import UserError, load_toml
+from glm5_matrix.matrix.profile_schema import check_profile
 
 
 def repo_root() -> Path:
@@ -63,4 +64,6 @@ def load_profile(name: str) -> Profile:
         raise UserError(
             f"unknown profile {name!r} (profiles: {', '.join(profile_names()) or 'none'})"
         )
-    return Profile(name=name, directory=directory, data=load_toml(path, "profile"))
+    data = load_toml(path, "profile")
+    check_profile(path, data)  # a typo is one line here, before any environment or engine
+    return Profile(name=name, directory=directory, data=data)
