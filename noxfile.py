@@ -34,6 +34,9 @@ from glm5_matrix.machine import hardware, supervision
 from glm5_matrix.matrix.matrix import Cell, Matrix
 from glm5_matrix.sessions import runner, tools, warm
 
+# -j (cells side by side) came with nox 2026.08; an older nox refuses to run this file.
+nox.needs_version = ">=2026.8"
+
 nox.options.default_venv_backend = "none"
 # A bare `nox` only prints the plan. The default is left unset while listing, because nox's
 # `-l --json` reports only the selected sessions and must report every cell.

@@ -242,3 +242,17 @@ def test_a_kernel_archive_for_another_gpu_is_refused_before_the_suites(tmp_path)
         GLM5_MATRIX_RESULTS=str(tmp_path / "results"),
     )
     assert "kernel cache: imported" in result.stderr and "-m pytest" in result.stderr
+
+
+def test_noxfile_needs_the_nox_the_readme_installs():
+    """nox.needs_version makes an older nox refuse the file in one line; it must ask for the nox
+    the README's commands install (`nox -j` needs 2026.08)."""
+    import re
+
+    declared = re.search(
+        r'^nox\.needs_version = "(.+)"$', (repo_root() / "noxfile.py").read_text(), re.M
+    )
+    assert declared, "noxfile.py declares no nox.needs_version"
+    readme = (repo_root() / "README.md").read_text()
+    installed = set(re.findall(r'pip install "nox(>=[0-9.]+)"', readme))
+    assert installed == {declared.group(1)}, (installed, declared.group(1))
