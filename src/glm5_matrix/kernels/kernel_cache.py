@@ -60,7 +60,9 @@ is what makes two cells at once safe without a lock of ours:
 Not cacheable across processes, so compiled on every engine start whatever the cache holds:
 CuTeDSL kernels (cute.compile, in memory), CUDA graph capture, and what vLLM's own warm-up
 tunes in memory. What a cell compiled is found by comparing snapshots of the library folders:
-`written()` counts a file that is new, or whose size or bytes changed. Not a compile: locks and
+`written()` counts a file that is new, or whose size or bytes changed, and of those only the
+ones the cell's own processes wrote count against it (glm5_matrix.kernels.writers: the cache is
+shared, and another process may write it during a start). Not a compile: locks and
 temporary files (TRANSIENT), each library's bookkeeping (Library.bookkeeping), and a file whose
 mtime moved but whose bytes did not (`touched()`; the bytes are compared for files of at most
 DIGEST_LIMIT bytes, a larger file with a new mtime counts). Two libraries write at every engine

@@ -55,6 +55,7 @@ from glm5_matrix.kernels import kernel_cache
 from glm5_matrix.machine import kill_domain, processes
 
 POLL_S = 0.1
+COMMAND_SHOWN = 120  # characters of a writer's command line kept
 CELL, OTHER, UNSEEN = "cell", "other", "unseen"
 # Triton's temporary folder for one put (triton/runtime/cache.py: f"tmp.pid_{pid}_{rnd_id}").
 _TRITON_TEMP = re.compile(r"^tmp\.pid_(\d+)_")
@@ -376,7 +377,8 @@ class Watch:
             if member is None:  # gone before it was ever seen: whose it was is not known
                 self.lost.add(pid)
                 return
-            self.sightings.add(Sighting(pid, member, processes.cmdline(pid), library, kernel, how))
+            command = " ".join(processes.cmdline(pid).split())[:COMMAND_SHOWN]
+            self.sightings.add(Sighting(pid, member, command, library, kernel, how))
 
     def _read_inotify(self) -> None:
         with self._reading:
