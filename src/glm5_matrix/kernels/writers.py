@@ -7,7 +7,8 @@ guard fails a cell only for what the cell's own processes wrote.
 
 Linux records no writer for a file, and the exact tools (fanotify with pids, audit, eBPF) need
 privileges a runner lacks; inotify gives names but no pid. So a `Watch` runs beside the window
-(an engine start, a test phase) and looks, every POLL_S, at every process it may read in /proc:
+(an engine start, a test phase) and looks, every POLL_S (or twice as long as a look takes, on a
+busy machine), at every process it may read in /proc:
 
 - its open files under a watched library folder that are open for writing (/proc/PID/fd and
   fdinfo's flags): a compiler writing an object in place (ninja's nvcc, cc1plus), or a library
@@ -47,6 +48,7 @@ import re
 import select
 import struct
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -276,9 +278,12 @@ def _outputs(pid: int) -> list[str]:
     """The output paths the command line of `pid` names (-o PATH, -oPATH, --output-file=PATH),
     made absolute against its working folder."""
     try:
-        argv = [os.fsdecode(a) for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return []
+    if b"\0-o" not in raw and b"-output-file" not in raw:  # most processes: no output named
+        return []
+    argv = [os.fsdecode(a) for a in raw.split(b"\0")]
     found = []
     for i, arg in enumerate(argv):
         if arg in _OUTPUT_FLAGS and i + 1 < len(argv):
@@ -309,6 +314,8 @@ class Watch:
         watched = kernel_cache.watched() if folders is None else folders
         self.folders = {name: Path(os.path.realpath(f)) for name, f in watched.items()}
         self.cell = cell or Cell()
+        self._alive: set[int] = set()  # the pids of the last look
+        self._prefixes = tuple(str(folder) + os.sep for folder in self.folders.values())
         self.poll = poll
         self.sightings: set[Sighting] = set()
         self.unreadable: set[int] = set()  # processes whose open files this user cannot read
@@ -351,9 +358,13 @@ class Watch:
             return set(self.sightings)
 
     def _run(self) -> None:
-        """Look at the processes every `poll` seconds."""
-        while not self._stop.wait(self.poll):
+        """Look at the processes every `poll` seconds, or twice as long as a look takes where
+        that is longer (a busy machine with many processes): at most a third of one core."""
+        wait = self.poll
+        while not self._stop.wait(wait):
+            started = time.monotonic()
             self.look()
+            wait = max(self.poll, 2 * (time.monotonic() - started))
 
     def _listen(self) -> None:
         """Read inotify's events as they come, in a thread of their own: Triton's puts are over
@@ -365,6 +376,8 @@ class Watch:
             self._read_inotify()
 
     def _where(self, path: str) -> tuple[str, str] | None:
+        if not path.startswith(self._prefixes):
+            return None
         for name, folder in self.folders.items():
             prefix = str(folder) + os.sep
             if path.startswith(prefix):
@@ -389,11 +402,14 @@ class Watch:
     def look(self) -> None:
         """One look at every process's open files and command line (and inotify's events)."""
         self._read_inotify()
+        alive: set[int] = set()
         for name in os.listdir("/proc"):
             if not name.isdigit():
                 continue
             pid = int(name)
-            self.cell.member(pid)  # known from now on, should it write and exit between looks
+            alive.add(pid)
+            if pid not in self._alive:  # known from now on, should it write and exit soon
+                self.cell.member(pid)
             try:
                 fds = os.listdir(f"/proc/{pid}/fd")
             except PermissionError:
@@ -413,6 +429,7 @@ class Watch:
                 place = self._where(output)
                 if place is not None:
                     self._saw(pid, place[0], entry(*place), "output of its command line")
+        self._alive = alive
 
 
 # --- judging -------------------------------------------------------------------------------------
