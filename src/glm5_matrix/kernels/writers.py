@@ -16,9 +16,14 @@ busy machine), at every process it may read in /proc:
 - the output its command line names (`-o PATH`, `--output-file PATH`): nvcc, ptxas, gcc and ld
   hold it from start to end of a compile that takes seconds to minutes (FlashInfer, DeepGEMM,
   TileLang, torch extensions);
-- and, through inotify on each library folder's top level, Triton's temporary folders, which
+- and, through inotify on Triton's folder and each of its <hash>/ folders (a new one watched
+  as soon as its event is read, in a thread of its own), Triton's temporary folders, which
   carry the writer's pid in their name (`tmp.pid_<PID>_<uuid>`, triton/runtime/cache.py): a
   Triton kernel is written in microseconds, too fast to be seen open.
+
+Short in-process writes with no pid in a name stay unseen: DeepGEMM's NVRTC mode, Inductor's
+and vLLM's own files, the CUDA driver's cache, and a Triton kernel whose whole compile ended
+before its new <hash>/ folder was watched (milliseconds).
 
 A sighting in a kernel's own folder (Triton's <hash>/, FlashInfer's cached_ops/<module>/,
 DeepGEMM's cache/<kernel>/, TileLang's kernels/<key>/, else the file's folder) names the writer of
@@ -328,7 +333,6 @@ class Watch:
 
     def start(self) -> Watch:
         self._inotify = _Inotify(self.folders)
-        self.look()
         self._threads = [
             threading.Thread(target=target, name=f"kernel-writers-{name}", daemon=True)
             for name, target in (("look", self._run), ("listen", self._listen))
@@ -360,7 +364,7 @@ class Watch:
     def _run(self) -> None:
         """Look at the processes every `poll` seconds, or twice as long as a look takes where
         that is longer (a busy machine with many processes): at most a third of one core."""
-        wait = self.poll
+        wait = 0.0  # the first look at once
         while not self._stop.wait(wait):
             started = time.monotonic()
             self.look()
