@@ -23,12 +23,14 @@ from glm5_matrix.kernels.writers import CELL, OTHER, UNSEEN, FileWrite, Sighting
 MODULES = ".cache/flashinfer/0.7.2/90a/cached_ops"
 
 # What a library's JIT does to the cache, as a real process: ROLE is "cell" or "stranger";
-# every write waits for GO, so the two processes write at the same time.
+# every write waits for GO, so the two processes write at the same time. A compile holds its
+# output HOLD seconds (real ones take seconds to minutes): longer than the watch's longest wait
+# between looks on a busy machine (writers.MAX_WAIT_S) plus a look.
 WRITER = r"""
 import os, subprocess, sys, time, uuid
 root, role, go = sys.argv[1], sys.argv[2], sys.argv[3]
 if role == "compile":  # a compiler: its output named on the command line, written at the end
-    time.sleep(0.6)
+    time.sleep(HOLD)
     with open(sys.argv[5], "wb") as out:
         out.write(b"object")
     sys.exit(0)
@@ -42,7 +44,7 @@ for i in range(2):  # ninja's nvcc writing an object in place
     with open(os.path.join(folder, f"part{i}.cuda.o"), "wb") as out:
         out.write(b"half")
         out.flush()
-        time.sleep(0.4)
+        time.sleep(HOLD)
         out.write(b"rest")
 # A compiler naming its output, in a module folder of its own: each way of seeing a writer is
 # the only one for some files.
@@ -61,7 +63,7 @@ for name in ("_kernel.ttir", "_kernel.cubin", "_kernel.json"):
     os.replace(os.path.join(temp, name), os.path.join(kernel, name))
     os.removedirs(temp)
 open(os.path.join(go + "." + role), "w").close()
-""".replace("MODULES", MODULES)
+""".replace("MODULES", MODULES).replace("HOLD", "1.0")
 
 
 def files_of(role: str) -> dict[str, list[str]]:

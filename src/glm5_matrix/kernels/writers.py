@@ -7,8 +7,8 @@ guard fails a cell only for what the cell's own processes wrote.
 
 Linux records no writer for a file, and the exact tools (fanotify with pids, audit, eBPF) need
 privileges a runner lacks; inotify gives names but no pid. So a `Watch` runs beside the window
-(an engine start, a test phase) and looks, every POLL_S (or twice as long as a look takes, on a
-busy machine), at every process it may read in /proc:
+(an engine start, a test phase) and looks, every POLL_S (on a busy machine up to MAX_WAIT_S), at
+every process it may read in /proc:
 
 - its open files under a watched library folder that are open for writing (/proc/PID/fd and
   fdinfo's flags): a compiler writing an object in place (ninja's nvcc, cc1plus), or a library
@@ -37,8 +37,8 @@ Each file written in the window is then (attribute()):
 - "cell": a process of the cell was seen writing its kernel's folder, or, with nothing seen
   there, the only writers seen in its library were the cell's: counted;
 - "other": only processes outside the cell were seen writing there: never counted;
-- "unseen": nobody was seen (a write shorter than POLL_S by a process that was gone, or one
-  this user may not read). Counted when no process outside the cell was seen writing the cache
+- "unseen": nobody was seen (a write shorter than the wait between two looks, POLL_S and up to
+  MAX_WAIT_S plus a look on a busy machine, or by a process this user may not read). Counted when no process outside the cell was seen writing the cache
   at all in the window (then the cell is the only writer there was to see), and not counted,
   said as such, when one was: a guess either way would blame the cell for another's file or
   let its own compile pass, and another process must never fail the cell.
@@ -62,6 +62,7 @@ from glm5_matrix.kernels import kernel_cache
 from glm5_matrix.machine import kill_domain, processes
 
 POLL_S = 0.1
+MAX_WAIT_S = 0.4  # the longest wait between looks on a busy machine
 COMMAND_SHOWN = 120  # characters of a writer's command line kept
 CELL, OTHER, UNSEEN = "cell", "other", "unseen"
 # Triton's temporary folder for one put (triton/runtime/cache.py: f"tmp.pid_{pid}_{rnd_id}").
@@ -185,8 +186,8 @@ class Cell:
     def _is_member(self, pid: int) -> bool:
         seen, at = set(), pid
         while at > 1 and at not in seen:
-            if at == self.root:
-                return True
+            if at == self.root or (at != pid and self._last.get(at)):
+                return True  # this process, or below one of the cell's
             seen.add(at)
             stat = processes.proc_stat(at)
             at = stat[1] if stat is not None else 0
@@ -363,12 +364,14 @@ class Watch:
 
     def _run(self) -> None:
         """Look at the processes every `poll` seconds, or twice as long as a look takes where
-        that is longer (a busy machine with many processes): at most a third of one core."""
-        wait = 0.0  # the first look at once
+        that is longer (a busy machine with many processes: a third of one core), up to
+        MAX_WAIT_S (so a compile of that long is seen whatever the load)."""
+        self.look()  # at once; it also decides whose every process is, so it is not timed
+        wait = self.poll
         while not self._stop.wait(wait):
             started = time.monotonic()
             self.look()
-            wait = max(self.poll, 2 * (time.monotonic() - started))
+            wait = min(max(self.poll, 2 * (time.monotonic() - started)), MAX_WAIT_S)
 
     def _listen(self) -> None:
         """Read inotify's events as they come, in a thread of their own: Triton's puts are over
