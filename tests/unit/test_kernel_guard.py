@@ -91,3 +91,66 @@ def test_strict_turns_the_guard_on(
     pytester.runpytest("-p", "glm5_matrix.kernels.kernel_guard").assert_outcomes(
         passed=2, failed=2, errors=1
     )
+
+
+STRANGER_SUITE = """
+import os, subprocess, sys, time
+from pathlib import Path
+
+WRITE = '''
+import os, sys, time
+path = sys.argv[1]
+os.makedirs(os.path.dirname(path), exist_ok=True)
+with open(path, "wb") as out:  # a compile in place, as ninja's nvcc writes an object
+    out.write(b"half")
+    out.flush()
+    time.sleep(1.5)
+    out.write(b"rest")
+open(path + ".done", "w").close()
+'''
+
+def stranger(relative):
+    # No descendant of this process: started in a session of its own by a launcher that exits.
+    path = os.path.join(os.environ["TRITON_CACHE_DIR"], relative)
+    launcher = ("import subprocess, sys; subprocess.Popen(sys.argv[1:], start_new_session=True,"
+                " stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)")
+    subprocess.run([sys.executable, "-c", launcher, sys.executable, "-c", WRITE, path], check=True)
+    deadline = time.monotonic() + 30
+    while not os.path.exists(path + ".done"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+def test_while_another_process_compiles():
+    stranger("STRANGER/_kernel.cubin")
+
+def test_compiles_itself_while_another_process_compiles():
+    stranger("STRANGER2/_kernel.cubin")
+    path = Path(os.environ["TRITON_CACHE_DIR"]) / "OWN/_own.cubin"
+    path.parent.mkdir(parents=True)
+    with path.open("wb") as out:  # held open for writing long enough to be seen
+        out.write(b"half")
+        out.flush()
+        time.sleep(1.5)
+        out.write(b"rest")
+"""
+
+
+def test_what_another_process_compiles_never_fails_a_test(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, caches: Path
+) -> None:
+    """A stranger (no descendant of the test process) compiles during a test: the test passes,
+    the files named as not counted; a test that compiles beside it still fails, on its own file."""
+    from glm5_matrix.kernels import writers
+
+    # The unit tests may run in a kill-domain cgroup of their own (nox), which the stranger
+    # would inherit: here the cell is this process and its descendants.
+    monkeypatch.setattr(writers, "_domain_cgroups", lambda pid="self": {})
+    monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "1")
+    pytester.makepyfile(test_cell=STRANGER_SUITE)
+    run = pytester.runpytest("-p", "glm5_matrix.kernels.kernel_guard", "-rfE", "-rP")
+    run.assert_outcomes(passed=1, failed=1)
+    out = run.stdout.str()
+    assert "triton: 1 file(s) (OWN/_own.cubin)" in out
+    assert "file(s) (STRANGER" not in out
+    # Each test: the stranger's kernel and its .done file, named as not counted.
+    assert out.count("2 written by process(es) outside the cell") == 2

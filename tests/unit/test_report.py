@@ -259,3 +259,52 @@ def test_nox_session_builds_the_report(tree, tmp_path):
     cells = len(results_tree.matrix().variants) + 1
     assert f"{cells} cells: 2 passed, 2 failed" in result.stdout
     assert sorted(p.name for p in out.iterdir()) == sorted(command.FILES)
+
+
+def test_a_start_names_its_files_and_their_writers():
+    """Issue 40: the files a start's count is made of, and those another process wrote."""
+    start = {
+        "label": "engine:e2e",
+        "seconds": 40.0,
+        "compile": {
+            "seconds": 0.0,
+            "entries_added": {"flashinfer": 0, "triton": 1},
+            "not_counted": {"flashinfer": 5},
+            "guard": True,
+            "written": [
+                {
+                    "library": "triton",
+                    "path": "H/k.cubin",
+                    "writer": "cell",
+                    "counted": True,
+                    "pids": [41],
+                    "command": "VLLM::Worker",
+                },
+                {
+                    "library": "flashinfer",
+                    "path": "cached_ops/fused_moe_90/a.cuda.o",
+                    "writer": "other",
+                    "counted": False,
+                    "pids": [77],
+                    "command": "nvcc -o a.cuda.o",
+                },
+            ],
+        },
+    }
+    cell = model.CellReport("e2e", "e2e", "failed", engine_starts=[start])
+    assert cell.describe_starts() == (
+        "1 (40 s), 0 s torch.compile, kernel files compiled per start: "
+        "1 (under the guard) (+5 not the cell's)"
+    )
+    html = page._kernel_files_cell(start)
+    assert html.startswith('<td class="o-failed">1 (triton 1); not the cell&#x27;s: 5: compiled')
+    assert (
+        "<code>triton/H/k.cubin</code>: the cell&#x27;s process 41 (VLLM::Worker), counted" in html
+    )
+    assert (
+        "fused_moe_90/a.cuda.o</code>: another process 77 (nvcc -o a.cuda.o), not counted" in html
+    )
+    # Only another's files: nothing compiled, nothing marked.
+    start["compile"]["entries_added"] = {"flashinfer": 0}
+    start["compile"]["written"] = start["compile"]["written"][1:]
+    assert page._kernel_files_cell(start).startswith("<td>0; not the cell&#x27;s: 5<details>")

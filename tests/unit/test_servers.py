@@ -231,13 +231,15 @@ def test_wait_healthy_fails_fast_when_the_process_exits(tmp_path: Path) -> None:
 # (or exits with status 4 when STUB_FAIL is set).
 _STUB_SERVER = textwrap.dedent(
     """
-    import argparse, http.server, json, os, subprocess, sys
+    import argparse, http.server, json, os, subprocess, sys, time
     parser = argparse.ArgumentParser()
     parser.add_argument("--model"); parser.add_argument("--host"); parser.add_argument("--port", type=int)
     args, rest = parser.parse_known_args()
     if os.environ.get("STUB_FAIL"):
         print("stub: refusing to start", flush=True)
         sys.exit(4)
+    while os.environ.get("STUB_WAIT") and not os.path.exists(os.environ["STUB_WAIT"]):
+        time.sleep(0.05)  # a start that takes as long as another process's compile
     if os.environ.get("STUB_COMPILE"):  # what a start that compiles a kernel does
         path = os.path.join(os.environ["TRITON_CACHE_DIR"], "HASH", os.environ["STUB_COMPILE"])
         os.makedirs(os.path.dirname(path), exist_ok=True); open(path, "w").write("cubin")
@@ -448,6 +450,87 @@ def test_a_server_start_records_what_it_compiled_and_the_guard_fails_it(
     quiet = {k: v for k, v in env.items() if k != "STUB_COMPILE"}
     with servers.VllmServer("warm", "/m", env=quiet, log_dir=tmp_path):
         pass
+
+
+_STRANGER = textwrap.dedent(
+    """
+    import os, sys, time
+    path, done = sys.argv[1], sys.argv[2]
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as out:  # a compile in place, held open for writing
+        out.write(b"half")
+        out.flush()
+        time.sleep(1.5)
+        out.write(b"rest")
+    open(done, "w").close()
+    """
+)
+
+
+def test_a_kernel_another_process_compiles_during_a_server_start_never_fails_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 40: a process outside the cell (no descendant, in a session of its own) compiles
+    into the shared cache while a server starts under the guard: the start passes, and its
+    record names the file, its writer's pid and that it was not counted."""
+    import subprocess
+    import sys
+
+    from glm5_matrix.kernels import kernel_cache, writers
+
+    # The unit tests may run in a kill-domain cgroup (nox), which the stranger would inherit.
+    monkeypatch.setattr(writers, "_domain_cgroups", lambda pid="self": {})
+    monkeypatch.setenv("GLM5_MATRIX_GPUS", "9.0")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    monkeypatch.setenv(kernel_cache.ACTIVE_VARIABLE, str(tmp_path))
+    monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "1")
+    (tmp_path / "triton").mkdir()
+    done = tmp_path / "stranger.done"
+    env = {
+        "PYTHONPATH": str(_stub_module_root(tmp_path)),
+        "STUB_REPORT": str(tmp_path / "report.json"),
+        "STUB_WAIT": str(done),
+    }
+    starts_before = len(recorder.engine_starts())
+    server = servers.VllmServer("beside", "/m", env=env, log_dir=tmp_path / "a")
+    server.launch()
+    launcher = (
+        "import subprocess, sys; print(subprocess.Popen(sys.argv[1:], start_new_session=True,"
+        " stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid)"
+    )
+    kernel = tmp_path / "triton" / "STRANGER" / "_k.cubin"
+    stranger = int(
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                launcher,
+                sys.executable,
+                "-c",
+                _STRANGER,
+                str(kernel),
+                str(done),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
+    try:
+        server.wait_until_healthy()  # the guard is on: it raises if the file is counted
+    finally:
+        server.stop()
+    (start,) = recorder.engine_starts()[starts_before:]
+    assert start.compile is not None
+    assert start.compile["entries_added"] == {"triton": 0}
+    assert start.compile["not_counted"] == {"triton": 1}
+    (written,) = start.compile["written"]
+    assert (written["path"], written["writer"], written["counted"]) == (
+        "STRANGER/_k.cubin",
+        "other",
+        False,
+    )
+    assert written["pids"] == [stranger]
 
 
 def test_worker_rpc_posts_the_method_and_string_arguments(tmp_path: Path) -> None:

@@ -47,7 +47,7 @@ from glm5_matrix.engines.workers import (
     worker_scheduler_limits,
     worker_start_block_recorder,
 )
-from glm5_matrix.kernels import kernel_cache
+from glm5_matrix.kernels import kernel_cache, writers
 from glm5_matrix.machine import processes
 from glm5_matrix.verdicts.compare import GreedyOutput
 
@@ -91,6 +91,7 @@ class Engine:
         for name, value in environment.items():
             self._saved_environment[name] = os.environ.get(name)
             os.environ[name] = value
+        watch: writers.Watch | None = None
         try:
             # The library caches (vLLM's own included: model-class inspection, compiled
             # graphs) point into the kernel cache, unless the runner did that already.
@@ -99,6 +100,8 @@ class Engine:
             from vllm import LLM
 
             before = kernel_cache.snapshot()
+            # Who writes the kernel cache during the start: only the engine's processes count.
+            watch = writers.Watch().start()
             started = time.monotonic()
             # A Ctrl-C during the start must reach this process's teardown: vLLM swallows one
             # that lands while it waits for the engine core (startup_interrupts).
@@ -120,8 +123,11 @@ class Engine:
                 before,
                 self._compile_seconds,
                 f"the start of engine {self.spec.label}",
+                watch,
             )
         except BaseException:
+            if watch is not None:
+                watch.stop()
             self.shutdown()
             raise
         # The engine core: the children this process gained (the workers are below it).

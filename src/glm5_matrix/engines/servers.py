@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from glm5_matrix.engines.starts import account_start
-from glm5_matrix.kernels import kernel_cache
+from glm5_matrix.kernels import kernel_cache, writers
 from glm5_matrix.machine import processes, supervision
 
 HOST = "127.0.0.1"
@@ -196,6 +196,7 @@ class VllmServer:
         self._rpc_dir: str | None = None
         self._launched_at = 0.0
         self._caches_before: kernel_cache.Snapshot = {}
+        self._writers: writers.Watch | None = None  # who writes the kernel cache while it starts
 
     @property
     def url(self) -> str:
@@ -244,6 +245,7 @@ class VllmServer:
         self._rpc_dir = tempfile.mkdtemp(prefix=f"vllm-rpc-{self.label}-")
         kernel_cache.ensure_active()
         self._caches_before = kernel_cache.snapshot()
+        self._writers = writers.Watch().start()
         self._launched_at = time.monotonic()
         with self.log_path.open("wb") as log:
             log.write(f"$ {' '.join(self.command())}\n".encode())
@@ -271,6 +273,7 @@ class VllmServer:
                 self._caches_before,
                 self.compile_seconds,
                 f"the start of server {self.label}",
+                self._writers,
             )
         except BaseException:
             self.stop()
@@ -323,6 +326,8 @@ class VllmServer:
         return self
 
     def stop(self) -> None:
+        if self._writers is not None:
+            self._writers.stop()
         if self.proc is not None:
             processes.stop_process_group(self.proc, grace_seconds=self.grace())
         if self._rpc_dir is not None:

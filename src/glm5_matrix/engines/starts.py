@@ -1,13 +1,14 @@
 """What every engine and server start does once it is up, in one place: count the kernel files
-the libraries' caches gained or rewrote since `before` (glm5_matrix.kernels.kernel_cache), record
-the start with what it compiled into the cell's results, and refuse it when it compiled under the
-kernel guard."""
+the libraries' caches gained or rewrote since `before` (glm5_matrix.kernels.kernel_cache) that the
+start's own processes wrote (glm5_matrix.kernels.writers: `watch` looked at the writers since
+`before`), record the start with what it compiled and what others wrote into the cell's results,
+and refuse it when it compiled under the kernel guard."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from glm5_matrix.kernels import kernel_cache
+from glm5_matrix.kernels import kernel_cache, writers
 from glm5_matrix.results.recorder import record_engine_start
 
 
@@ -17,12 +18,19 @@ def account_start(
     before: kernel_cache.Snapshot,
     compile_seconds: Callable[[], float | None],
     what: str,
+    watch: writers.Watch | None = None,
 ) -> None:
     """Record the start `label` that took `seconds` (and the torch.compile seconds vLLM reports,
-    asked only now), then refuse it, naming `what` started, if the kernel guard is on and it
-    compiled."""
-    compiled = kernel_cache.written(before, kernel_cache.snapshot())
+    asked only now), then refuse it, naming `what` started, if the kernel guard is on and its
+    processes compiled. Without a `watch` every file written counts (no writer was looked for)."""
+    changed = kernel_cache.written(before, kernel_cache.snapshot())
+    writes = writers.attribute(changed, watch.stop() if watch is not None else ())
+    compiled = writers.counted(writes)
     record_engine_start(
-        label, seconds, compile=kernel_cache.compile_record(compiled, compile_seconds(), before)
+        label,
+        seconds,
+        compile=kernel_cache.compile_record(
+            compiled, compile_seconds(), before, [w.record() for w in writes]
+        ),
     )
-    kernel_cache.refuse_compiled(compiled, what)
+    kernel_cache.refuse_compiled(compiled, what, writers.describe_not_counted(writes))

@@ -60,7 +60,9 @@ is what makes two cells at once safe without a lock of ours:
 Not cacheable across processes, so compiled on every engine start whatever the cache holds:
 CuTeDSL kernels (cute.compile, in memory), CUDA graph capture, and what vLLM's own warm-up
 tunes in memory. What a cell compiled is found by comparing snapshots of the library folders:
-`written()` counts a file that is new, or whose size or bytes changed. Not a compile: locks and
+`written()` counts a file that is new, or whose size or bytes changed, and of those only the
+ones the cell's own processes wrote count against it (glm5_matrix.kernels.writers: the cache is
+shared, and another process may write it during a start). Not a compile: locks and
 temporary files (TRANSIENT), each library's bookkeeping (Library.bookkeeping), and a file whose
 mtime moved but whose bytes did not (`touched()`; the bytes are compared for files of at most
 DIGEST_LIMIT bytes, a larger file with a new mtime counts). Two libraries write at every engine
@@ -429,19 +431,38 @@ def kernel_files(snap: Snapshot) -> int:
     return sum(1 for name, held in snap.items() for path in held if is_kernel(name, path))
 
 
+# At most this many files are listed one by one in an engine start's record.
+FILES_LISTED = 200
+
+
 def compile_record(
-    changed: Mapping[str, list[str]], seconds: float | None, before: Snapshot
+    changed: Mapping[str, list[str]],
+    seconds: float | None,
+    before: Snapshot,
+    writes: list[dict[str, object]] | None = None,
 ) -> dict[str, object]:
     """The "compile" object of a results.json engine start: vLLM's torch.compile seconds, the
-    kernel files each library compiled, the kernel files the cache held when the start began
+    kernel files each library compiled (counted against the start: those its own processes
+    wrote, glm5_matrix.kernels.writers), the kernel files the cache held when the start began
     (0: a cold start, the only kind a cold-against-warm comparison may use), and whether the
-    guard was on (then a start that compiled is refused right after this is recorded)."""
-    return {
+    guard was on (then a start that compiled is refused right after this is recorded). With
+    `writes` (writers.FileWrite.record() of every file written in the window): "written", the
+    first FILES_LISTED of them with writer, pids and whether counted, and "not_counted", the
+    files per library that another process wrote (or whose writer was not seen beside one)."""
+    record: dict[str, object] = {
         "seconds": None if seconds is None else round(seconds, 2),
         "entries_added": {name: len(paths) for name, paths in sorted(changed.items())},
         "files_before": kernel_files(before),
         "guard": guard_enabled(),
     }
+    if writes is not None:
+        left: dict[str, int] = {}
+        for write in writes:
+            if not write["counted"]:
+                left[str(write["library"])] = left.get(str(write["library"]), 0) + 1
+        record["not_counted"] = dict(sorted(left.items()))
+        record["written"] = writes[:FILES_LISTED]
+    return record
 
 
 # --- the guard ------------------------------------------------------------------------------------
@@ -478,10 +499,11 @@ def describe_written(changed: Mapping[str, list[str]], where: str, shown: int = 
     )
 
 
-def refuse_compiled(changed: Mapping[str, list[str]], where: str) -> None:
-    """Raise KernelCompiled naming the files when something was compiled and the guard is on."""
+def refuse_compiled(changed: Mapping[str, list[str]], where: str, note: str = "") -> None:
+    """Raise KernelCompiled naming the files when something was compiled and the guard is on
+    (`note`: what was written but not counted, writers.describe_not_counted)."""
     if any(changed.values()) and guard_enabled():
-        raise KernelCompiled(describe_written(changed, where))
+        raise KernelCompiled(describe_written(changed, where) + (f" ({note})" if note else ""))
 
 
 def jit_monitor_mode(enforce_eager: bool) -> str | None:

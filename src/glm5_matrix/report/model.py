@@ -105,6 +105,10 @@ class CellReport:
                 else str(n)
                 for s, n in zip(self.engine_starts, counts, strict=True)
             ]
+            shown = [
+                text + (f" (+{left} not the cell's)" if left else "")
+                for text, left in zip(shown, map(not_counted, self.engine_starts), strict=True)
+            ]
             text += ", kernel files compiled per start: " + ", ".join(shown)
         return text
 
@@ -116,6 +120,23 @@ def kernel_files(start: dict[str, Any]) -> int | None:
     if not isinstance(added, dict):
         return None
     return sum(n for n in added.values() if isinstance(n, int))
+
+
+def not_counted(start: dict[str, Any]) -> int:
+    """How many kernel files were written during an engine start but not counted against it:
+    another process wrote them, or nobody was seen writing them while another process wrote
+    the cache (glm5_matrix.kernels.writers); 0 when not recorded."""
+    record = start.get("compile")
+    left = record.get("not_counted") if isinstance(record, dict) else None
+    return sum(n for n in left.values() if isinstance(n, int)) if isinstance(left, dict) else 0
+
+
+def written_files(start: dict[str, Any]) -> list[dict[str, Any]]:
+    """The kernel files written during an engine start, each with its writer ("cell", "other"
+    or "unseen"), the pids seen writing it and whether it counted; [] when not recorded."""
+    record = start.get("compile")
+    files = record.get("written") if isinstance(record, dict) else None
+    return [f for f in files if isinstance(f, dict)] if isinstance(files, list) else []
 
 
 def compiled_under_guard(start: dict[str, Any]) -> bool:

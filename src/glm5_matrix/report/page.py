@@ -21,6 +21,8 @@ from glm5_matrix.report.model import (
     figure_verdict,
     format_value,
     kernel_files,
+    not_counted,
+    written_files,
 )
 
 OUTCOME_WORDS = {
@@ -197,9 +199,42 @@ def _kernel_files_cell(start: dict[str, Any]) -> str:
     shares = ", ".join(f"{name} {n}" for name, n in sorted(added.items()) if n)
     if shares:
         text += f" ({shares})"
+    left = not_counted(start)
+    if left:
+        text += f"; not the cell's: {left}"
+    listed = _written_list(start)
     if compiled_under_guard(start):
-        return f'<td class="o-failed">{escape(text)}: compiled under the kernel guard</td>'
-    return f"<td>{escape(text)}</td>"
+        return f'<td class="o-failed">{escape(text)}: compiled under the kernel guard{listed}</td>'
+    return f"<td>{escape(text)}{listed}</td>"
+
+
+_WRITERS = {
+    "cell": "the cell's process",
+    "other": "another process",
+    "unseen": "writer not seen",
+}
+
+
+def _written_list(start: dict[str, Any], shown: int = 20) -> str:
+    """Which files a start's count is made of, and by which process where one was seen."""
+    files = written_files(start)
+    if not files:
+        return ""
+    items = []
+    for record in files[:shown]:
+        pids = ", ".join(str(p) for p in record.get("pids") or [])
+        who = _WRITERS.get(str(record.get("writer")), str(record.get("writer")))
+        if pids:
+            who += f" {pids}"
+            if record.get("command"):
+                who += f" ({record['command']})"
+        verdict = "counted" if record.get("counted") else "not counted"
+        items.append(
+            f"<li><code>{escape(str(record.get('library')))}/{escape(str(record.get('path')))}"
+            f"</code>: {escape(who)}, {verdict}</li>"
+        )
+    more = f"<li>... {len(files) - shown} more</li>" if len(files) > shown else ""
+    return f"<details><summary>files</summary><ul>{''.join(items)}{more}</ul></details>"
 
 
 def _cell_detail(cell: CellReport) -> str:

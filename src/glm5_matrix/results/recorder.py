@@ -44,9 +44,14 @@ class EngineStart:
     # What the start compiled (glm5_matrix.kernels.kernel_cache.compile_record): "seconds", the
     # torch.compile time vLLM reports (null when unknown; the kernel JITs of FlashInfer, Triton,
     # TileLang and DeepGEMM are not timed by their libraries), "entries_added", the kernel files
-    # each library's cache gained or rewrote during the start, "files_before", the kernel files
-    # the cache held when it began (0: a cold start), and "guard", whether the kernel guard was
-    # on (a start that compiled under it was refused). Left out when not measured.
+    # each library's cache gained or rewrote during the start that count against it (its own
+    # processes wrote them, glm5_matrix.kernels.writers), "not_counted", those per library that
+    # another process wrote (or whose writer was not seen while another process wrote the
+    # cache), "written", each file written (at most kernel_cache.FILES_LISTED) with "library",
+    # "path", "writer" ("cell", "other", "unseen"), "pids", "command" and "counted",
+    # "files_before", the kernel files the cache held when it began (0: a cold start), and
+    # "guard", whether the kernel guard was on (a start that compiled under it was refused).
+    # Left out when not measured.
     compile: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
