@@ -101,7 +101,8 @@ class Engine:
 
             before = kernel_cache.snapshot()
             # Who writes the kernel cache during the start: only the engine's processes count.
-            watch = writers.Watch().start()
+            # Watched only under the guard, which alone judges a start (a watch costs CPU).
+            watch = writers.Watch().start() if kernel_cache.guard_enabled() else None
             started = time.monotonic()
             # A Ctrl-C during the start must reach this process's teardown: vLLM swallows one
             # that lands while it waits for the engine core (startup_interrupts).

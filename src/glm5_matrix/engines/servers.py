@@ -245,7 +245,8 @@ class VllmServer:
         self._rpc_dir = tempfile.mkdtemp(prefix=f"vllm-rpc-{self.label}-")
         kernel_cache.ensure_active()
         self._caches_before = kernel_cache.snapshot()
-        self._writers = writers.Watch().start()
+        # Only under the guard, which alone judges a start (a watch costs CPU).
+        self._writers = writers.Watch().start() if kernel_cache.guard_enabled() else None
         self._launched_at = time.monotonic()
         with self.log_path.open("wb") as log:
             log.write(f"$ {' '.join(self.command())}\n".encode())
