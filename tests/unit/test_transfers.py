@@ -153,3 +153,69 @@ def test_a_group_sent_nothing_pairs_nothing() -> None:
     # A group left out by the caller (another block size) pairs nothing, whatever its table.
     pairs = transfers.paired_blocks([[5, 6], []], [[20, 21, 22], [1]], 2, 2)
     assert [(p.group, p.position) for p in pairs] == [(0, 0), (0, 1)]
+
+
+def test_checkpoint_column_is_the_block_of_the_last_token() -> None:
+    assert transfers.checkpoint_column(256, 128, boundary=True) == 1  # state after 2 blocks
+    assert transfers.checkpoint_column(128, 128, boundary=True) == 0
+    assert transfers.checkpoint_column(129, 128) == 1  # a running state in the block of token 129
+    assert transfers.checkpoint_column(1, 128) == 0
+    with pytest.raises(ValueError, match="do not end"):
+        transfers.checkpoint_column(320, 128, boundary=True)
+    with pytest.raises(ValueError, match="no state"):
+        transfers.checkpoint_column(0, 128)
+    with pytest.raises(ValueError, match="positive"):
+        transfers.checkpoint_column(5, 0)
+
+
+def test_located_pages_reads_one_column_of_the_mamba_groups() -> None:
+    table = [[20, 21, 22], [0, 30, 40], [0, 31, 41]]
+    keys, reads = transfers.located_pages(table, 1, [1, 2], LAYERS)
+    assert keys == [(1, 1, "gdn.0"), (2, 1, "gdn.1")]
+    assert reads == [("gdn.0", 30), ("gdn.1", 31)]
+    with pytest.raises(ValueError, match="null block"):
+        transfers.located_pages(table, 0, [1], LAYERS)
+    with pytest.raises(ValueError, match="outside"):
+        transfers.located_pages(table, 3, [1], LAYERS)
+    with pytest.raises(ValueError, match="no groups"):
+        transfers.located_pages(table, 1, [], LAYERS)
+
+
+def test_a_consistent_wrong_block_passes_the_copy_check_and_fails_the_located_one() -> None:
+    """P's Mamba table holds the checkpoint after one block in column 0 and the state after two
+    (N-1) in column 1. A connector that sends column 0 and D writes it where it starts from:
+    what D received is a copy of what P sent, but not P's state after N-1."""
+    p_table = [[5, 6], [8, 9], [10, 11]]
+    d_table = [[20, 21, 22], [0, 30, 40], [0, 31, 41]]
+    bytes_of = {  # block id -> what its page holds
+        8: "gdn.0 after 128",
+        9: "gdn.0 after 256",
+        10: "gdn.1 after 128",
+        11: "gdn.1 after 256",
+    }
+    # The wrong-but-consistent transfer: D's column 1 got P's column 0.
+    bytes_of.update({30: bytes_of[8], 31: bytes_of[10]})
+    sent = [[5, 6], [8], [10]]  # what the connector says it sent (the previous block)
+    pairs = transfers.paired_blocks(sent, d_table, covered_blocks=2, whole_blocks=2)
+    mamba_pairs = [p for p in pairs if p.group]
+    digests = {
+        side: [[bytes_of[getattr(p, side)]] for p in mamba_pairs] for side in ("sent", "received")
+    }
+    transfers.check_copied(
+        transfers.keyed(mamba_pairs, LAYERS, digests["sent"]),
+        transfers.keyed(mamba_pairs, LAYERS, digests["received"]),
+    )  # green: a copy
+    column = transfers.checkpoint_column(256, 128, boundary=True)
+
+    def located(table: list[list[int]], at: int) -> dict[transfers.PageKey, tuple[str, ...]]:
+        keys, reads = transfers.located_pages(table, at, [1, 2], LAYERS)
+        return transfers.keyed_reads(keys, [[bytes_of[block]] for _, block in reads])
+
+    with pytest.raises(AssertionError, match="2 of 2 page"):
+        transfers.check_copied(located(p_table, column), located(d_table, column))
+    # ... and a faithful transfer passes it, while P alone one block earlier is told apart.
+    bytes_of.update({30: bytes_of[9], 31: bytes_of[11]})
+    transfers.check_copied(located(p_table, column), located(d_table, column))
+    previous = transfers.as_column(located(p_table, column - 1), column)
+    with pytest.raises(AssertionError, match="differ"):
+        transfers.check_copied(previous, located(d_table, column))

@@ -195,3 +195,58 @@ def swapped(pages: Mapping[PageKey, Sequence[str]]) -> dict[PageKey, tuple[str, 
                 result[key_a], result[key_b] = tuple(pages[key_b]), tuple(pages[key_a])
             return result
     raise AssertionError("no group has two blocks with different pages: nothing to swap")
+
+
+# The harness's own location of a Mamba state, from token counts and the block size alone (not
+# from the blocks a connector says it sent or restored).
+
+
+def checkpoint_column(tokens: int, block_size: int, *, boundary: bool = False) -> int:
+    """The block-table column that holds a Mamba group's state after the first `tokens` tokens
+    of a request in vLLM's align mode: (tokens - 1) // block_size (the state after
+    (p + 1) * block_size tokens is kept in column p; a running state in the column of the
+    block its last token lies in). It is also the column a request that has `tokens` tokens
+    computed starts its next step from. `boundary=True` insists that `tokens` ends a block:
+    only there does a request that ran past it keep a checkpoint (a P-alone run's table)."""
+    if block_size <= 0:
+        raise ValueError(f"block size {block_size} must be positive")
+    if tokens <= 0:
+        raise ValueError(f"no state after {tokens} tokens")
+    if boundary and tokens % block_size:
+        raise ValueError(f"{tokens} tokens do not end a {block_size}-token block")
+    return (tokens - 1) // block_size
+
+
+def located_pages(
+    table: Sequence[Sequence[int]],
+    column: int,
+    groups: Sequence[int],
+    group_layers: Sequence[Sequence[str]],
+) -> tuple[list[PageKey], list[tuple[str, int]]]:
+    """The pages of block-table column `column` in each of `groups` (a Mamba group's state at a
+    position the caller located): keys (group, column, layer) and the (layer, block id) reads
+    that give their digests in the same order. A null block there is an error: no state was
+    kept where the harness says it must be."""
+    if not groups:
+        raise ValueError("no groups to locate a state in")
+    keys: list[PageKey] = []
+    reads: list[tuple[str, int]] = []
+    for group in groups:
+        blocks = table[group]
+        if not 0 <= column < len(blocks):
+            raise ValueError(f"group {group}: column {column} outside a table of {len(blocks)}")
+        if blocks[column] == NULL_BLOCK:
+            raise ValueError(f"group {group}: column {column} is the null block ({list(blocks)})")
+        for layer in group_layers[group]:
+            keys.append((group, column, layer))
+            reads.append((layer, int(blocks[column])))
+    return keys, reads
+
+
+def as_column(
+    pages: Mapping[PageKey, Sequence[str]], column: int
+) -> dict[PageKey, tuple[str, ...]]:
+    """The same pages keyed at another column: to compare a state read at one column (a
+    P-alone checkpoint) with one read at another (where D starts from), or a control read one
+    block earlier."""
+    return {(group, column, layer): tuple(d) for (group, _, layer), d in pages.items()}
