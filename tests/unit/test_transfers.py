@@ -219,3 +219,37 @@ def test_a_consistent_wrong_block_passes_the_copy_check_and_fails_the_located_on
     previous = transfers.as_column(located(p_table, column - 1), column)
     with pytest.raises(AssertionError, match="differ"):
         transfers.check_copied(previous, located(d_table, column))
+
+
+def test_boundary_pages_asks_every_attention_block_and_each_mamba_checkpoint() -> None:
+    # 2 whole blocks restored: attention blocks 0 and 1; the Mamba groups' checkpoint after
+    # 2 blocks, column 1 (their column 0 may be retired: the null block there is no error).
+    table = [[20, 21, 22], [0, 30, 40], [0, 31, 41]]
+    keys, reads = transfers.boundary_pages(table, 2, [0, 1, 2], [1, 2], LAYERS)
+    assert keys == [(0, 0, "attn.0"), (0, 1, "attn.0"), (1, 1, "gdn.0"), (2, 1, "gdn.1")]
+    assert reads == [("attn.0", 20), ("attn.0", 21), ("gdn.0", 30), ("gdn.1", 31)]
+    # A Mamba checkpoint that did not come back, or an attention block, is an error.
+    with pytest.raises(ValueError, match="null block"):
+        transfers.boundary_pages([[20, 21], [0, 0], [0, 31]], 2, [0, 1, 2], [1, 2], LAYERS)
+    with pytest.raises(ValueError, match="null block"):
+        transfers.boundary_pages([[0, 21], [0, 30], [0, 31]], 2, [0, 1, 2], [1, 2], LAYERS)
+    with pytest.raises(ValueError, match="restores nothing"):
+        transfers.boundary_pages(table, 0, [0], [], LAYERS)
+
+
+def test_a_restore_of_the_previous_checkpoint_fails_at_the_harness_places() -> None:
+    """The warm table's Mamba column 1 got the state after one block (a consistent shift):
+    the cold run's checkpoint at the harness's column tells it."""
+    cold_table = [[20, 21, 22], [29, 30, 40], [0, 31, 41]]
+    warm_table = [[50, 51, 52], [0, 60, 70], [0, 61, 71]]
+    bytes_of = {20: "a0", 21: "a1", 29: "g0@128", 30: "g0@256", 31: "g1@256"}
+    bytes_of.update({50: "a0", 51: "a1", 60: "g0@128", 61: "g1@256"})  # group 1 shifted
+
+    def pages(table: list[list[int]]) -> dict[transfers.PageKey, tuple[str, ...]]:
+        keys, reads = transfers.boundary_pages(table, 2, [0, 1, 2], [1, 2], LAYERS)
+        return transfers.keyed_reads(keys, [[bytes_of[b]] for _, b in reads])
+
+    with pytest.raises(AssertionError, match=r"1 of 4 page\(s\) differ: group 1 block 1"):
+        transfers.check_copied(pages(cold_table), pages(warm_table))
+    bytes_of[60] = "g0@256"
+    transfers.check_copied(pages(cold_table), pages(warm_table))

@@ -250,3 +250,40 @@ def as_column(
     P-alone checkpoint) with one read at another (where D starts from), or a control read one
     block earlier."""
     return {(group, column, layer): tuple(d) for (group, _, layer), d in pages.items()}
+
+
+def boundary_pages(
+    table: Sequence[Sequence[int]],
+    boundary_blocks: int,
+    groups: Sequence[int],
+    mamba_groups: Sequence[int],
+    group_layers: Sequence[Sequence[str]],
+) -> tuple[list[PageKey], list[tuple[str, int]]]:
+    """The pages a prefix hit of `boundary_blocks` whole blocks must bring back, where the
+    harness computes them: in every group of `groups` that is not a Mamba group, each of the
+    first `boundary_blocks` blocks; in each Mamba group, the checkpoint it resumes from, column
+    boundary_blocks - 1 (checkpoint_column). A null block at any of them is an error: nothing
+    came back where something must."""
+    if boundary_blocks <= 0:
+        raise ValueError(f"a hit of {boundary_blocks} blocks restores nothing")
+    keys: list[PageKey] = []
+    reads: list[tuple[str, int]] = []
+    for group in groups:
+        if group in mamba_groups:
+            column = checkpoint_column(boundary_blocks, 1)
+            more_keys, more_reads = located_pages(table, column, [group], group_layers)
+            keys += more_keys
+            reads += more_reads
+            continue
+        blocks = table[group]
+        if boundary_blocks > len(blocks):
+            raise ValueError(
+                f"group {group}: {boundary_blocks} blocks asked, {len(blocks)} in table"
+            )
+        for position in range(boundary_blocks):
+            if blocks[position] == NULL_BLOCK:
+                raise ValueError(f"group {group}: block {position} is the null block")
+            for layer in group_layers[group]:
+                keys.append((group, position, layer))
+                reads.append((layer, int(blocks[position])))
+    return keys, reads
