@@ -213,12 +213,24 @@ def test_a_consistent_wrong_block_passes_the_copy_check_and_fails_the_located_on
 
     with pytest.raises(AssertionError, match="2 of 2 page"):
         transfers.check_copied(located(p_table, column), located(d_table, column))
-    # ... and a faithful transfer passes it, while P alone one block earlier is told apart.
+    # ... and a faithful transfer passes it, while another layer's state is told apart.
     bytes_of.update({30: bytes_of[9], 31: bytes_of[11]})
     transfers.check_copied(located(p_table, column), located(d_table, column))
-    previous = transfers.as_column(located(p_table, column - 1), column)
-    with pytest.raises(AssertionError, match="differ"):
-        transfers.check_copied(previous, located(d_table, column))
+    with pytest.raises(AssertionError, match="2 of 2 page"):
+        transfers.check_copied(
+            transfers.other_layers(located(p_table, column)), located(d_table, column)
+        )
+
+
+def test_other_layers_rotates_the_pages_and_needs_two_distinct() -> None:
+    pages = {(1, 1, "gdn.0"): ("a",), (2, 1, "gdn.1"): ("b",), (3, 1, "gdn.2"): ("c",)}
+    assert transfers.other_layers(pages) == {
+        (1, 1, "gdn.0"): ("b",),
+        (2, 1, "gdn.1"): ("c",),
+        (3, 1, "gdn.2"): ("a",),
+    }
+    with pytest.raises(AssertionError, match="fewer than two"):
+        transfers.other_layers({(1, 1, "gdn.0"): ("a",), (2, 1, "gdn.1"): ("a",)})
 
 
 def test_boundary_pages_asks_every_attention_block_and_each_mamba_checkpoint() -> None:

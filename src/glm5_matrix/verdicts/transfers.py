@@ -243,15 +243,6 @@ def located_pages(
     return keys, reads
 
 
-def as_column(
-    pages: Mapping[PageKey, Sequence[str]], column: int
-) -> dict[PageKey, tuple[str, ...]]:
-    """The same pages keyed at another column: to compare a state read at one column (a
-    P-alone checkpoint) with one read at another (where D starts from), or a control read one
-    block earlier."""
-    return {(group, column, layer): tuple(d) for (group, _, layer), d in pages.items()}
-
-
 def boundary_pages(
     table: Sequence[Sequence[int]],
     boundary_blocks: int,
@@ -287,3 +278,13 @@ def boundary_pages(
                 keys.append((group, position, layer))
                 reads.append((layer, int(blocks[position])))
     return keys, reads
+
+
+def other_layers(pages: Mapping[PageKey, Sequence[str]]) -> dict[PageKey, tuple[str, ...]]:
+    """A negative control: each page given the digests of the next page in key order (another
+    layer's state, or another group's, at the same place). Raises when fewer than two pages
+    differ (then no control can tell a wrong layer)."""
+    keys = sorted(pages)
+    if len({tuple(pages[k]) for k in keys}) < 2:
+        raise AssertionError("fewer than two distinct pages: nothing to tell apart")
+    return {key: tuple(pages[keys[(i + 1) % len(keys)]]) for i, key in enumerate(keys)}
