@@ -430,6 +430,9 @@ def test_prefix_hit_starts_from_the_checkpoint(
     result = served.check_served(entry, checkpoint, boundary, sizes)
     print(result.describe())
     record_figure("served.layers_equal", result.layers, limit=0, relation=">", unit="layers")
+    record_figure("served.hit_start", entry["start"], limit=boundary, relation="==", unit="tokens")
+    named = [b for b in (entry.get("kernel_blocks") or {}).values() if b is not None]
+    record_figure("served.kernel_blocks_checked", len(named), unit="layers")
     layers = sorted(checkpoint)
     if len(layers) > 1:
         shifted = {
