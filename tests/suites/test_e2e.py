@@ -23,7 +23,7 @@ from glm5_matrix.engines.prompts import with_other_tokens
 from glm5_matrix.matrix.context import CellContext
 from glm5_matrix.matrix.profiles import Profile
 from glm5_matrix.results.recorder import record_figure
-from glm5_matrix.verdicts import chunks, compare, judging
+from glm5_matrix.verdicts import chunks, compare, judging, served
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("no_surviving_children")]
 
@@ -376,6 +376,71 @@ def _boundary_pages(
                 keys.append(f"group{index}/{layer}@{boundary}")
     pages = engine.read_pages(wanted)
     return dict(zip(keys, pages, strict=True))
+
+
+def test_prefix_hit_starts_from_the_checkpoint(
+    engine: Engine, profile: Profile, layout: dict[str, Any]
+) -> None:
+    """After a prefix-cache hit at a block boundary, the Mamba state the running request starts
+    from is the cached checkpoint, bit for bit, in every Mamba layer: read in the worker as the
+    model is about to run the request's first post-hit step, at the block the harness locates
+    ((start + tokens - 1) // block: align mode copies the checkpoint there first), against the
+    checkpoint page read before the hit from the cold request's own table (column
+    boundary // block - 1). Where the output repeat lacks power (the GPU) this still sees a hit
+    served from a wrong state. The control, each layer against another group's checkpoint,
+    must be rejected."""
+    expect, prompts = profile.section("expect"), profile.section("prompts")
+    block = block_size_of(layout)
+    mamba = _groups_of(layout, expect["mamba_spec"])
+    groups = {layout["groups"].index(g): list(g["layer_names"]) for g in mamba}
+    assert groups, "no Mamba group: nothing is served from a checkpoint"
+    length = int(prompts["checkpoint_blocks"] * block)
+    boundary = (length - 1) // block * block
+    assert boundary > 0, f"a {length}-token prompt crosses no {block}-token block boundary"
+    # A prompt of its own: no other test's cache entries can serve it.
+    prompt = engine.random_prompt(length, int(prompts["seed"]) + 11)
+    engine.record_block_tables()
+    engine.record_served_states(groups)
+    assert engine.reset_prefix_cache()
+    engine.recorded_block_tables(clear=True)
+    engine.served_states(clear=True)
+    engine.generate_greedy(prompt, 1)
+    (history,) = engine.recorded_block_tables(clear=True).values()
+    table = history[-1]
+    column = boundary // block - 1
+    reads = []
+    for index, layers in groups.items():
+        block_id = table[index][column]
+        assert block_id != _null_block_id(), f"group {index}: no checkpoint at {boundary}"
+        reads += [(layer, block_id) for layer in layers]
+    checkpoint = {
+        layer: tuple(d) for (layer, _), d in zip(reads, engine.page_digests(reads), strict=True)
+    }
+    assert not engine.served_states(clear=True), "the cold run was served from a cache"
+    again = engine.generate_greedy(prompt, 1)
+    assert again
+    records = engine.served_states(clear=True)
+    assert len(records) == 1, f"expected the repeat's post-hit step, got {sorted(records)}"
+    (entry,) = records.values()
+    print(
+        f"\nhit at {entry['start']}: columns {entry['columns']}, blocks {entry['blocks']}, "
+        f"kernel blocks {entry.get('kernel_blocks')}; checkpoint column {column}"
+    )
+    sizes = {str(index): int(layout["groups"][index]["block_size"]) for index in groups}
+    result = served.check_served(entry, checkpoint, boundary, sizes)
+    print(result.describe())
+    record_figure("served.layers_equal", result.layers, limit=0, relation=">", unit="layers")
+    record_figure("served.hit_start", entry["start"], limit=boundary, relation="==", unit="tokens")
+    named = [b for b in (entry.get("kernel_blocks") or {}).values() if b is not None]
+    record_figure("served.kernel_blocks_checked", len(named), unit="layers")
+    layers = sorted(checkpoint)
+    if len(layers) > 1:
+        shifted = {
+            layer: checkpoint[layers[(i + 1) % len(layers)]] for i, layer in enumerate(layers)
+        }
+        with pytest.raises(AssertionError, match="other bytes") as control:
+            served.check_served(entry, shifted, boundary, sizes)
+        print(f"control (another layer's checkpoint) rejected: {control.value}")
 
 
 def test_mtp_matches_target_only(engine: Engine, cell: CellContext, profile: Profile) -> None:

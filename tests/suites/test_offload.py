@@ -117,7 +117,7 @@ def test_offload_round_trip(engine: Engine, profile: Profile, plan: LayoutPlan) 
     )
     # The same prompt again from the GPU prefix cache, as many times: what a faithful CPU round
     # trip must give, and the noise of that path.
-    engine.recorded_block_tables(clear=True)
+    cold_tables = list(engine.recorded_block_tables(clear=True).values())
     repeats = [
         engine.generate_scored(prompt, max_tokens, TOP_LOGPROBS)
         for _ in range(int(tolerances["reference_repeats"]))
@@ -132,6 +132,7 @@ def test_offload_round_trip(engine: Engine, profile: Profile, plan: LayoutPlan) 
         assert _pages(engine, layout, table, cached_blocks) == stored, (
             "the repeats hit other blocks"
         )
+    cold_located = _cold_located_pages(engine, layout, cold_tables, length, block)
     repeat_floor = judging.repeated("offload_repeat", repeats, "GPU repeat", tolerances)
     waited = _reset_when_stored(engine, store_wait)
     engine.recorded_block_tables(clear=True)  # what the reset's polling requests left
@@ -157,6 +158,9 @@ def test_offload_round_trip(engine: Engine, profile: Profile, plan: LayoutPlan) 
     record_figure("offload.pages_equal", copied.pages, limit=0, relation=">", unit="pages")
     with pytest.raises(AssertionError, match="differ"):
         transfers.check_copied(stored, transfers.swapped(restored))
+    _check_restored_where_the_harness_says(
+        engine, layout, cold_located, warm_table, hits, length, block
+    )
     # The restored blocks are the GPU's bytes: the warm run resumes from the same state along
     # the same path as the GPU prefix-cache repeat, judged by the repeats' noise; and, since the
     # cold prefill ended a chunk at the same boundary (checked on the chunks the worker
@@ -183,3 +187,55 @@ def test_offload_round_trip(engine: Engine, profile: Profile, plan: LayoutPlan) 
     stale = engine.generate_scored(stale_prompt, max_tokens, TOP_LOGPROBS)
     repeat_floor.rejects(repeats[0], stale, ("GPU repeat", "stale block"))
     cold_prefill.rejects(judging.first_step(cold), judging.first_step(stale), ("cold", "stale"))
+
+
+def _located(
+    layout: dict[str, Any], length: int, block: int
+) -> tuple[int, list[int], list[int], list[list[str]]]:
+    """(whole blocks a hit must restore: the prompt's last boundary below its end, the
+    offloaded groups, the Mamba ones among them, each group's layers)."""
+    groups = [i for i, g in enumerate(layout["groups"]) if g["prefix_cacheable"]]
+    mamba = [i for i in groups if "state_shapes" in layout["groups"][i]]
+    return (length - 1) // block, groups, mamba, [g["layer_names"] for g in layout["groups"]]
+
+
+def _cold_located_pages(
+    engine: Engine,
+    layout: dict[str, Any],
+    cold_tables: list[list[list[int]]],
+    length: int,
+    block: int,
+) -> dict[transfers.PageKey, tuple[str, ...]]:
+    """The last cold run's pages where the harness says a restore must land (every block before
+    the boundary in attention groups, each Mamba group's checkpoint at it:
+    transfers.boundary_pages), read from its own table before any reset frees its blocks. The
+    reset's one-token polls are recorded too, with fewer blocks: they are left out."""
+    whole, groups, mamba, layers = _located(layout, length, block)
+    colds = [t for t in cold_tables if all(len(t[i]) > whole for i in groups)]
+    assert colds, f"no cold run's table among {len(cold_tables)} recorded"
+    keys, reads = transfers.boundary_pages(colds[-1], whole, groups, mamba, layers)
+    return transfers.keyed_reads(keys, engine.page_digests(reads))
+
+
+def _check_restored_where_the_harness_says(
+    engine: Engine,
+    layout: dict[str, Any],
+    cold: dict[transfers.PageKey, tuple[str, ...]],
+    warm_table: list[list[int]],
+    hits: int,
+    length: int,
+    block: int,
+) -> None:
+    """The restore judged without vLLM's counts or the repeat's table: the hit must end at the
+    prompt's last block boundary below its end, and the warm run's pages at the harness's places
+    must equal the last cold run's (_cold_located_pages). A connector that restores a wrong
+    block consistently (the previous checkpoint into the slot, and counts it so) fails here."""
+    whole, groups, mamba, layers = _located(layout, length, block)
+    assert hits == whole * block, (
+        f"the warm run got {hits} tokens back; the prompt's last boundary is {whole * block}"
+    )
+    keys, reads = transfers.boundary_pages(warm_table, whole, groups, mamba, layers)
+    warm = transfers.keyed_reads(keys, engine.page_digests(reads))
+    located = transfers.check_copied(cold, warm, ("cold run's pages", "restored, located"))
+    print(f"restore at the harness's places: {located.describe()}; Mamba groups {mamba}")
+    record_figure("offload.located_pages_equal", located.pages, limit=0, relation=">", unit="pages")

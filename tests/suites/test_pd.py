@@ -80,6 +80,7 @@ class TransferPages:
     compared_groups: list[int]  # the groups of the scheduler's block size (a ring is not mapped)
     sent: dict[transfers.PageKey, tuple[str, ...]]
     received: dict[transfers.PageKey, tuple[str, ...]]
+    received_table: list[list[int]]  # the request's block table on D, per group
 
 
 def _start_recording(d: servers.VllmServer) -> None:
@@ -134,7 +135,54 @@ def _transfer_pages(
             "glm5_page_digests", json.dumps(transfers.page_reads(pairs, layers, "received"))
         )[0],
     )
-    return TransferPages(pairs, layers, compared, sent, received)
+    return TransferPages(pairs, layers, compared, sent, received, received_tables)
+
+
+@dataclass(frozen=True)
+class LocatedStates:
+    """Mamba states found where the harness computes they must be, not where the connector
+    says: P alone's checkpoint after exactly N-1 prompt tokens, read right after the P-only
+    references from their own block table on P, and the state D starts token N from, read from
+    the P -> D request's table on D."""
+
+    tokens: int  # N - 1: what P computes of the prompt for D (a Mamba model)
+    column: int  # transfers.checkpoint_column(tokens, block)
+    groups: list[int]  # the Mamba groups
+    p_alone: dict[transfers.PageKey, tuple[str, ...]]
+    decode: dict[transfers.PageKey, tuple[str, ...]]
+
+
+def _mamba_groups(server: servers.VllmServer) -> tuple[list[int], list[list[str]]]:
+    groups = server.worker_rpc("glm5_group_layers")[0]
+    return [i for i, g in enumerate(groups) if g["mamba"]], [g["layers"] for g in groups]
+
+
+def _read_located(
+    server: servers.VllmServer,
+    table: list[list[int]],
+    column: int,
+    groups: list[int],
+    layers: list[list[str]],
+) -> dict[transfers.PageKey, tuple[str, ...]]:
+    keys, reads = transfers.located_pages(table, column, groups, layers)
+    return transfers.keyed_reads(keys, server.worker_rpc("glm5_page_digests", json.dumps(reads))[0])
+
+
+def _p_alone_checkpoint(
+    p: servers.VllmServer, prompt: list[int], block_size: int
+) -> tuple[int, list[int], dict[transfers.PageKey, tuple[str, ...]]]:
+    """Right after the P-only references (P's recorder on): P alone's Mamba checkpoint after
+    N-1 tokens, at the column the harness computes. (Earlier checkpoints are retired: P's
+    table holds the null block there, as seen on the CPU build: [0, 3, 7].)"""
+    recorded = p.worker_rpc("glm5_recorded_block_tables", "true")[0]
+    assert recorded, "P recorded no request's block table for the P-only references"
+    table = next(iter(recorded.values()))[-1]  # the first reference: it computed every token
+    groups, layers = _mamba_groups(p)
+    assert groups, "the model has no Mamba group: nothing to locate"
+    column = transfers.checkpoint_column(len(prompt) - 1, block_size, boundary=True)
+    here = _read_located(p, table, column, groups, layers)
+    print(f"\nP alone: Mamba groups {groups} in {table}; checkpoint after N-1 in column {column}")
+    return column, groups, here
 
 
 @dataclass(frozen=True)
@@ -156,6 +204,7 @@ class Record:
     references: list[disagg.Completion]  # P alone, no transfer, [pd.tolerances] repeats times
     first: disagg.Disaggregated  # P -> D
     pages: TransferPages  # what the first P -> D moved: P's pages and D's, per block and group
+    located: LocatedStates  # the Mamba states the harness located itself, P alone's and D's
     second: disagg.Disaggregated  # the same request again
     control_reference: disagg.Completion  # P alone on the control's prompt
     control: disagg.Completion  # D decoding that prompt from KV P computed for another
@@ -209,17 +258,26 @@ def record(
         # a chunk, so both hand token N the same state (see test_disaggregated_output...).
         prompt = _prompt(model, int(pd["prompt_whole_blocks"]) * block_size + 1, seed=0)
         before = _snapshot(p, d)
+        _start_recording(p)
         references = [
             disagg.complete(
                 p.url, SERVED_MODEL, prompt, max_tokens, timeout=timeout, top_logprobs=TOP_LOGPROBS
             )
             for _ in range(int(pd["tolerances"]["reference_repeats"]))
         ]
+        column, mamba, p_alone = _p_alone_checkpoint(p, prompt, block_size)
         _start_recording(d)
         first = disagg.prefill_then_decode(
             p.url, d.url, SERVED_MODEL, prompt, max_tokens, timeout, top_logprobs=TOP_LOGPROBS
         )
         pages = _transfer_pages(p, d, first, block_size)
+        located = LocatedStates(
+            len(prompt) - 1,
+            column,
+            mamba,
+            p_alone,
+            _read_located(d, pages.received_table, column, mamba, pages.group_layers),
+        )
         after_first = _snapshot(p, d)
         second = disagg.prefill_then_decode(
             p.url, d.url, SERVED_MODEL, prompt, max_tokens, timeout, top_logprobs=TOP_LOGPROBS
@@ -257,6 +315,7 @@ def record(
             references,
             first,
             pages,
+            located,
             second,
             control_reference,
             control,
@@ -407,6 +466,28 @@ def test_transfer_is_a_copy(record: Record) -> None:
     with pytest.raises(AssertionError, match="differ") as control:
         transfers.check_copied(pages.sent, transfers.swapped(pages.received))
     print(f"control (two received blocks exchanged) rejected: {control.value}")
+
+
+def test_decode_holds_p_alone_state_after_n_minus_1(record: Record) -> None:
+    """The state D starts token N from is P alone's state after exactly N-1 prompt tokens, bit
+    for bit, in every Mamba group: both located by the harness (the column from N-1 and the
+    block size, in P alone's own block table and in D's), not from the blocks the connector
+    said it sent. A connector that sends (and writes) a consistent but wrong block, the previous
+    checkpoint say, passes test_transfer_is_a_copy and fails here. The control, each layer
+    against another Mamba layer's state of P alone, must be rejected."""
+    located = record.located
+    copied = transfers.check_copied(
+        located.p_alone, located.decode, ("P alone after N-1", "D's starting state")
+    )
+    print(
+        f"\nD's state at column {located.column} (after {located.tokens} tokens) equals P "
+        f"alone's: {copied.describe()}"
+    )
+    record_figure("pd.located_states_equal", copied.pages, limit=0, relation=">", unit="pages")
+    assert set(copied.groups) == set(located.groups), (copied.groups, located.groups)
+    with pytest.raises(AssertionError, match="differ") as control:
+        transfers.check_copied(transfers.other_layers(located.p_alone), located.decode)
+    print(f"control (another layer's state of P alone) rejected: {control.value}")
 
 
 def test_repeated_request_hits_decode_cache_or_moves_less(record: Record) -> None:

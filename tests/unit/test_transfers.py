@@ -153,3 +153,115 @@ def test_a_group_sent_nothing_pairs_nothing() -> None:
     # A group left out by the caller (another block size) pairs nothing, whatever its table.
     pairs = transfers.paired_blocks([[5, 6], []], [[20, 21, 22], [1]], 2, 2)
     assert [(p.group, p.position) for p in pairs] == [(0, 0), (0, 1)]
+
+
+def test_checkpoint_column_is_the_block_of_the_last_token() -> None:
+    assert transfers.checkpoint_column(256, 128, boundary=True) == 1  # state after 2 blocks
+    assert transfers.checkpoint_column(128, 128, boundary=True) == 0
+    assert transfers.checkpoint_column(129, 128) == 1  # a running state in the block of token 129
+    assert transfers.checkpoint_column(1, 128) == 0
+    with pytest.raises(ValueError, match="do not end"):
+        transfers.checkpoint_column(320, 128, boundary=True)
+    with pytest.raises(ValueError, match="no state"):
+        transfers.checkpoint_column(0, 128)
+    with pytest.raises(ValueError, match="positive"):
+        transfers.checkpoint_column(5, 0)
+
+
+def test_located_pages_reads_one_column_of_the_mamba_groups() -> None:
+    table = [[20, 21, 22], [0, 30, 40], [0, 31, 41]]
+    keys, reads = transfers.located_pages(table, 1, [1, 2], LAYERS)
+    assert keys == [(1, 1, "gdn.0"), (2, 1, "gdn.1")]
+    assert reads == [("gdn.0", 30), ("gdn.1", 31)]
+    with pytest.raises(ValueError, match="null block"):
+        transfers.located_pages(table, 0, [1], LAYERS)
+    with pytest.raises(ValueError, match="outside"):
+        transfers.located_pages(table, 3, [1], LAYERS)
+    with pytest.raises(ValueError, match="no groups"):
+        transfers.located_pages(table, 1, [], LAYERS)
+
+
+def test_a_consistent_wrong_block_passes_the_copy_check_and_fails_the_located_one() -> None:
+    """P's Mamba table holds the checkpoint after one block in column 0 and the state after two
+    (N-1) in column 1. A connector that sends column 0 and D writes it where it starts from:
+    what D received is a copy of what P sent, but not P's state after N-1."""
+    p_table = [[5, 6], [8, 9], [10, 11]]
+    d_table = [[20, 21, 22], [0, 30, 40], [0, 31, 41]]
+    bytes_of = {  # block id -> what its page holds
+        8: "gdn.0 after 128",
+        9: "gdn.0 after 256",
+        10: "gdn.1 after 128",
+        11: "gdn.1 after 256",
+    }
+    # The wrong-but-consistent transfer: D's column 1 got P's column 0.
+    bytes_of.update({30: bytes_of[8], 31: bytes_of[10]})
+    sent = [[5, 6], [8], [10]]  # what the connector says it sent (the previous block)
+    pairs = transfers.paired_blocks(sent, d_table, covered_blocks=2, whole_blocks=2)
+    mamba_pairs = [p for p in pairs if p.group]
+    digests = {
+        side: [[bytes_of[getattr(p, side)]] for p in mamba_pairs] for side in ("sent", "received")
+    }
+    transfers.check_copied(
+        transfers.keyed(mamba_pairs, LAYERS, digests["sent"]),
+        transfers.keyed(mamba_pairs, LAYERS, digests["received"]),
+    )  # green: a copy
+    column = transfers.checkpoint_column(256, 128, boundary=True)
+
+    def located(table: list[list[int]], at: int) -> dict[transfers.PageKey, tuple[str, ...]]:
+        keys, reads = transfers.located_pages(table, at, [1, 2], LAYERS)
+        return transfers.keyed_reads(keys, [[bytes_of[block]] for _, block in reads])
+
+    with pytest.raises(AssertionError, match="2 of 2 page"):
+        transfers.check_copied(located(p_table, column), located(d_table, column))
+    # ... and a faithful transfer passes it, while another layer's state is told apart.
+    bytes_of.update({30: bytes_of[9], 31: bytes_of[11]})
+    transfers.check_copied(located(p_table, column), located(d_table, column))
+    with pytest.raises(AssertionError, match="2 of 2 page"):
+        transfers.check_copied(
+            transfers.other_layers(located(p_table, column)), located(d_table, column)
+        )
+
+
+def test_other_layers_rotates_the_pages_and_needs_two_distinct() -> None:
+    pages = {(1, 1, "gdn.0"): ("a",), (2, 1, "gdn.1"): ("b",), (3, 1, "gdn.2"): ("c",)}
+    assert transfers.other_layers(pages) == {
+        (1, 1, "gdn.0"): ("b",),
+        (2, 1, "gdn.1"): ("c",),
+        (3, 1, "gdn.2"): ("a",),
+    }
+    with pytest.raises(AssertionError, match="fewer than two"):
+        transfers.other_layers({(1, 1, "gdn.0"): ("a",), (2, 1, "gdn.1"): ("a",)})
+
+
+def test_boundary_pages_asks_every_attention_block_and_each_mamba_checkpoint() -> None:
+    # 2 whole blocks restored: attention blocks 0 and 1; the Mamba groups' checkpoint after
+    # 2 blocks, column 1 (their column 0 may be retired: the null block there is no error).
+    table = [[20, 21, 22], [0, 30, 40], [0, 31, 41]]
+    keys, reads = transfers.boundary_pages(table, 2, [0, 1, 2], [1, 2], LAYERS)
+    assert keys == [(0, 0, "attn.0"), (0, 1, "attn.0"), (1, 1, "gdn.0"), (2, 1, "gdn.1")]
+    assert reads == [("attn.0", 20), ("attn.0", 21), ("gdn.0", 30), ("gdn.1", 31)]
+    # A Mamba checkpoint that did not come back, or an attention block, is an error.
+    with pytest.raises(ValueError, match="null block"):
+        transfers.boundary_pages([[20, 21], [0, 0], [0, 31]], 2, [0, 1, 2], [1, 2], LAYERS)
+    with pytest.raises(ValueError, match="null block"):
+        transfers.boundary_pages([[0, 21], [0, 30], [0, 31]], 2, [0, 1, 2], [1, 2], LAYERS)
+    with pytest.raises(ValueError, match="restores nothing"):
+        transfers.boundary_pages(table, 0, [0], [], LAYERS)
+
+
+def test_a_restore_of_the_previous_checkpoint_fails_at_the_harness_places() -> None:
+    """The warm table's Mamba column 1 got the state after one block (a consistent shift):
+    the cold run's checkpoint at the harness's column tells it."""
+    cold_table = [[20, 21, 22], [29, 30, 40], [0, 31, 41]]
+    warm_table = [[50, 51, 52], [0, 60, 70], [0, 61, 71]]
+    bytes_of = {20: "a0", 21: "a1", 29: "g0@128", 30: "g0@256", 31: "g1@256"}
+    bytes_of.update({50: "a0", 51: "a1", 60: "g0@128", 61: "g1@256"})  # group 1 shifted
+
+    def pages(table: list[list[int]]) -> dict[transfers.PageKey, tuple[str, ...]]:
+        keys, reads = transfers.boundary_pages(table, 2, [0, 1, 2], [1, 2], LAYERS)
+        return transfers.keyed_reads(keys, [[bytes_of[b]] for _, b in reads])
+
+    with pytest.raises(AssertionError, match=r"1 of 4 page\(s\) differ: group 1 block 1"):
+        transfers.check_copied(pages(cold_table), pages(warm_table))
+    bytes_of[60] = "g0@256"
+    transfers.check_copied(pages(cold_table), pages(warm_table))

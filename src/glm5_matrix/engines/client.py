@@ -45,7 +45,9 @@ from glm5_matrix.engines.workers import (
     worker_recorded_block_tables,
     worker_recorded_chunks,
     worker_scheduler_limits,
+    worker_served_states,
     worker_start_block_recorder,
+    worker_start_served_state_recorder,
 )
 from glm5_matrix.kernels import kernel_cache, writers
 from glm5_matrix.machine import processes
@@ -294,6 +296,22 @@ class Engine:
         recorder (record_block_tables) started or was last cleared: how each prefill was
         chunked, as the worker was told to compute it."""
         return self.rpc(worker_recorded_chunks, clear)[0]
+
+    def record_served_states(self, groups: dict[int, list[str]]) -> None:
+        """From now on, at the first step of every request that starts after a prefix hit,
+        read the state its Mamba layers (`groups`: group index -> layers) start from, in the
+        worker, as the model is about to run (rank 0; see
+        worker_start_served_state_recorder)."""
+        self.rpc(
+            worker_start_served_state_recorder,
+            {str(group): list(layers) for group, layers in groups.items()},
+        )
+
+    def served_states(self, clear: bool = True) -> dict[str, dict[str, Any]]:
+        """{request id: what its first post-hit step started from: start, tokens, batch,
+        columns per group, blocks and digests per layer, and kernel_blocks where the metadata
+        names them} since the recorder started or was last cleared."""
+        return self.rpc(worker_served_states, clear)[0]
 
     def read_pages(self, layer_blocks: Sequence[tuple[str, int]]) -> list[list[Any]]:
         """For each (layer, block id): that block's page of each of the layer's state tensors,

@@ -113,13 +113,29 @@ def worker_page_digests(worker: Any, layer_blocks: list[tuple[str, int]]) -> lis
 
 
 def worker_group_layers(worker: Any) -> list[dict[str, Any]]:
-    """Per KV cache group, in the scheduler's group order: its layer names and block size."""
+    """Per KV cache group, in the scheduler's group order: its layer names, block size, and
+    whether it is a Mamba group (its layers hold a state per request, not tokens)."""
     target = getattr(worker, "worker", worker)
     groups = target.model_runner.kv_cache_config.kv_cache_groups
     return [
-        {"layers": list(group.layer_names), "block_size": int(group.kv_cache_spec.block_size)}
+        {
+            "layers": list(group.layer_names),
+            "block_size": int(group.kv_cache_spec.block_size),
+            "mamba": is_mamba_spec(group.kv_cache_spec),
+        }
         for group in groups
     ]
+
+
+def is_mamba_spec(spec: Any) -> bool:
+    """A Mamba group's spec: vLLM's MambaSpec, or (vLLM 0.33) a UniformTypeKVCacheSpecs whose
+    members all are."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    members = list((getattr(spec, "kv_cache_specs", None) or {}).values())
+    if members:
+        return all(isinstance(member, MambaSpec) for member in members)
+    return isinstance(spec, MambaSpec)
 
 
 class PageReader:
@@ -373,3 +389,106 @@ def worker_scheduler_limits(worker: Any) -> dict[str, Any]:
             config.speculative_config.num_speculative_tokens if config.speculative_config else 0
         ),
     }
+
+
+def worker_start_served_state_recorder(worker: Any, groups: dict[str, list[str]]) -> None:
+    """Read the Mamba state a request starts from right after a prefix hit, where it is served.
+
+    `groups` maps a KV group index (as a string) to the Mamba layers to read in it. At every step
+    that schedules a new request whose first chunk starts past 0 (a prefix-cache hit), the block
+    it runs from is located by the rule the harness applies, not by vLLM's state bookkeeping:
+    block-table column (first position + tokens - 1) // block size of that group (the column
+    align mode runs a request's state in, into which it copies the checkpoint before the model
+    runs). Each layer's page there is read, as digests per state tensor, in a forward pre-hook
+    of the model: after vLLM's pre-copy, before any Mamba layer changes the state. Where the
+    attention metadata of a layer gives the state index its kernel reads (GDN's
+    non_spec_state_indices_tensor, Mamba's state_indices_tensor) and the step has one request,
+    that index is recorded too. Reading is all it does.
+    """
+    target = getattr(worker, "worker", worker)
+    if getattr(target, "_glm5_served_states", None) is not None:
+        return
+    wanted = {int(group): list(layers) for group, layers in groups.items()}
+    block_sizes = {
+        index: int(group.kv_cache_spec.block_size)
+        for index, group in enumerate(target.model_runner.kv_cache_config.kv_cache_groups)
+    }
+    served: dict[str, dict[str, Any]] = {}
+    pending: list[dict[str, Any]] = []
+    target._glm5_served_states = served
+    original = target.execute_model
+
+    def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        pending.clear()
+        for new in scheduler_output.scheduled_new_reqs:
+            start = int(new.num_computed_tokens)
+            if start <= 0:
+                continue
+            tokens = int(scheduler_output.num_scheduled_tokens[new.req_id])
+            entry: dict[str, Any] = {
+                "request": new.req_id,
+                "start": start,
+                "tokens": tokens,
+                "batch": len(scheduler_output.num_scheduled_tokens),
+                "blocks": {},
+            }
+            for group, layers in wanted.items():
+                column = (start + tokens - 1) // block_sizes[group]
+                block = int(new.block_ids[group][column])
+                entry.setdefault("columns", {})[str(group)] = column
+                for layer in layers:
+                    entry["blocks"][layer] = block
+            pending.append(entry)
+        return original(scheduler_output, *args, **kwargs)
+
+    def before_model(module: Any, args: Any, kwargs: Any = None) -> None:
+        if not pending:
+            return
+        caches = layer_caches(target)
+        num_blocks = int(target.model_runner.kv_cache_config.num_blocks)
+        strides = block_strides(target)
+        metadata = _attention_metadata()
+        for entry in pending:
+            entry["digests"] = {
+                layer: [
+                    page_digest(block_rows(view, num_blocks, block, strides.get(layer, 0)))
+                    for view in caches[layer]
+                ]
+                for layer, block in entry["blocks"].items()
+            }
+            if entry["batch"] == 1:
+                entry["kernel_blocks"] = {
+                    layer: _kernel_state_index(metadata.get(layer)) for layer in entry["blocks"]
+                }
+            served[entry["request"]] = entry
+        pending.clear()
+
+    model_of(target).register_forward_pre_hook(before_model, with_kwargs=True)
+    target.execute_model = execute_model
+
+
+def _attention_metadata() -> dict[str, Any]:
+    from vllm.forward_context import get_forward_context
+
+    metadata = get_forward_context().attn_metadata
+    if isinstance(metadata, list):  # micro-batches: the first
+        metadata = metadata[0] if metadata else None
+    return dict(metadata) if isinstance(metadata, dict) else {}
+
+
+def _kernel_state_index(metadata: Any) -> int | None:
+    """The state index a Mamba layer's kernel reads for the step's only request, where its
+    metadata names one (None where it does not)."""
+    for name in ("non_spec_state_indices_tensor", "state_indices_tensor"):
+        indices = getattr(metadata, name, None)
+        if indices is not None and indices.numel() > 0:
+            return int(indices.reshape(indices.shape[0], -1)[0, 0])
+    return None
+
+
+def worker_served_states(worker: Any, clear: bool) -> dict[str, dict[str, Any]]:
+    live = getattr(getattr(worker, "worker", worker), "_glm5_served_states", None)
+    records = dict(live or {})
+    if clear and live is not None:
+        live.clear()
+    return records

@@ -195,3 +195,96 @@ def swapped(pages: Mapping[PageKey, Sequence[str]]) -> dict[PageKey, tuple[str, 
                 result[key_a], result[key_b] = tuple(pages[key_b]), tuple(pages[key_a])
             return result
     raise AssertionError("no group has two blocks with different pages: nothing to swap")
+
+
+# The harness's own location of a Mamba state, from token counts and the block size alone (not
+# from the blocks a connector says it sent or restored).
+
+
+def checkpoint_column(tokens: int, block_size: int, *, boundary: bool = False) -> int:
+    """The block-table column that holds a Mamba group's state after the first `tokens` tokens
+    of a request in vLLM's align mode: (tokens - 1) // block_size (the state after
+    (p + 1) * block_size tokens is kept in column p; a running state in the column of the
+    block its last token lies in). It is also the column a request that has `tokens` tokens
+    computed starts its next step from. `boundary=True` insists that `tokens` ends a block:
+    only there does a request that ran past it keep a checkpoint (a P-alone run's table)."""
+    if block_size <= 0:
+        raise ValueError(f"block size {block_size} must be positive")
+    if tokens <= 0:
+        raise ValueError(f"no state after {tokens} tokens")
+    if boundary and tokens % block_size:
+        raise ValueError(f"{tokens} tokens do not end a {block_size}-token block")
+    return (tokens - 1) // block_size
+
+
+def located_pages(
+    table: Sequence[Sequence[int]],
+    column: int,
+    groups: Sequence[int],
+    group_layers: Sequence[Sequence[str]],
+) -> tuple[list[PageKey], list[tuple[str, int]]]:
+    """The pages of block-table column `column` in each of `groups` (a Mamba group's state at a
+    position the caller located): keys (group, column, layer) and the (layer, block id) reads
+    that give their digests in the same order. A null block there is an error: no state was
+    kept where the harness says it must be."""
+    if not groups:
+        raise ValueError("no groups to locate a state in")
+    keys: list[PageKey] = []
+    reads: list[tuple[str, int]] = []
+    for group in groups:
+        blocks = table[group]
+        if not 0 <= column < len(blocks):
+            raise ValueError(f"group {group}: column {column} outside a table of {len(blocks)}")
+        if blocks[column] == NULL_BLOCK:
+            raise ValueError(f"group {group}: column {column} is the null block ({list(blocks)})")
+        for layer in group_layers[group]:
+            keys.append((group, column, layer))
+            reads.append((layer, int(blocks[column])))
+    return keys, reads
+
+
+def boundary_pages(
+    table: Sequence[Sequence[int]],
+    boundary_blocks: int,
+    groups: Sequence[int],
+    mamba_groups: Sequence[int],
+    group_layers: Sequence[Sequence[str]],
+) -> tuple[list[PageKey], list[tuple[str, int]]]:
+    """The pages a prefix hit of `boundary_blocks` whole blocks must bring back, where the
+    harness computes them: in every group of `groups` that is not a Mamba group, each of the
+    first `boundary_blocks` blocks; in each Mamba group, the checkpoint it resumes from, column
+    boundary_blocks - 1 (checkpoint_column). A null block at any of them is an error: nothing
+    came back where something must."""
+    if boundary_blocks <= 0:
+        raise ValueError(f"a hit of {boundary_blocks} blocks restores nothing")
+    keys: list[PageKey] = []
+    reads: list[tuple[str, int]] = []
+    for group in groups:
+        if group in mamba_groups:
+            column = checkpoint_column(boundary_blocks, 1)
+            more_keys, more_reads = located_pages(table, column, [group], group_layers)
+            keys += more_keys
+            reads += more_reads
+            continue
+        blocks = table[group]
+        if boundary_blocks > len(blocks):
+            raise ValueError(
+                f"group {group}: {boundary_blocks} blocks asked, {len(blocks)} in table"
+            )
+        for position in range(boundary_blocks):
+            if blocks[position] == NULL_BLOCK:
+                raise ValueError(f"group {group}: block {position} is the null block")
+            for layer in group_layers[group]:
+                keys.append((group, position, layer))
+                reads.append((layer, int(blocks[position])))
+    return keys, reads
+
+
+def other_layers(pages: Mapping[PageKey, Sequence[str]]) -> dict[PageKey, tuple[str, ...]]:
+    """A negative control: each page given the digests of the next page in key order (another
+    layer's state, or another group's, at the same place). Raises when fewer than two pages
+    differ (then no control can tell a wrong layer)."""
+    keys = sorted(pages)
+    if len({tuple(pages[k]) for k in keys}) < 2:
+        raise AssertionError("fewer than two distinct pages: nothing to tell apart")
+    return {key: tuple(pages[keys[(i + 1) % len(keys)]]) for i, key in enumerate(keys)}
