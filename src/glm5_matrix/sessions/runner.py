@@ -263,7 +263,7 @@ def _run_leased(
     # a cell without vLLM (the harness's) turns it off for the cells it runs itself (faults).
     records = bool(env.vllm or override) and bool(variant.cell.tests)
     try:
-        records = records and executed.enabled(environ)
+        records = records and executed.enabled(environ, variant.cell.gpus)
     except UserError as exc:
         session.error(str(exc))
     if records:
