@@ -217,6 +217,7 @@ def register(subparsers: Any) -> None:
     checking.set_defaults(func=_check)
     recording = actions.add_parser("record", help="keep results folders' lists in executed/")
     recording.add_argument("results", nargs="+", type=Path, help="a cell's results folder")
+    recording.add_argument("--note", default="", help="a line for the header (how it was run)")
     recording.set_defaults(func=_record)
     deriving = actions.add_parser("derive", help="a cell's list from its twin's (not recorded)")
     deriving.add_argument("variant", help="the cell variant whose list to write")
@@ -263,6 +264,8 @@ def _record(args: argparse.Namespace) -> int:
             f"recorded by `glm5-matrix guards record` from {data['processes']} process(es);",
             f"{vllm}. Its guards in matrix.toml must cover each (`glm5-matrix guards check`).",
         ]
+        if args.note:
+            header.append(args.note)
         target = root / EXECUTED_DIR / f"{variant.slug}.txt"
         write_recorded(target, header, data["files"])
         print(f"{variant.id}: {len(data['files'])} files -> {target}")

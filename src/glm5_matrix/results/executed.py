@@ -124,8 +124,8 @@ def combine(out: Path) -> tuple[list[str], int]:
     rcfile = folder / RCFILE
     pieces = [p for p in folder.glob(".coverage.*") if p.is_file()]
     cov = coverage.Coverage(config_file=str(rcfile))
-    if pieces:
-        cov.combine(data_paths=[str(folder)], keep=False)
+    if pieces:  # kept, so that a second collection reads the same
+        cov.combine(data_paths=[str(folder)], keep=True)
         cov.save()
     data = cov.get_data()
     # coverage.py also lists the package's files no process ran (with no lines): left out. A file
