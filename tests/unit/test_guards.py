@@ -180,9 +180,8 @@ KV_CONNECTOR_HELPER = "vllm/distributed/kv_transfer/kv_connector/utils.py"
 MAMBA_HELPER = "vllm/v1/worker/mamba_utils.py"
 
 
-# The CPU cells whose lists come from their own runs (metadata's is derived from layout's until
-# a run of its own is recorded: its header says so).
-RECORDED_ON_CPU = ("e2e-cpu", "pd-nixl-cpu", "layout")
+# The CPU cells whose lists come from their own runs (never derived).
+RECORDED_ON_CPU = ("e2e-cpu", "pd-nixl-cpu", "layout", "metadata")
 
 
 def _executed(matrix, variant_id: str) -> set[str]:
