@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 
 import pytest
@@ -54,7 +55,10 @@ def test_the_59536_lesson_runs_the_pruned_model_cells(matrix):
         a.variant.id for a in guards.affected(matrix, ["vllm/v1/attention/backends/gdn_attn.py"])
     }
     assert {"e2e-tp1(deep_gemm)", "e2e-tp1(flashinfer)", "dflash-tp1", "metadata"} <= found
-    assert "layout" not in found and "unit" not in found
+    assert "unit" not in found
+    # The layout cell builds GLM's KV specs through vLLM, which runs the GDN builder's module too
+    # (executed/layout.txt): it is selected as well now.
+    assert "layout" in found
 
 
 def test_an_axis_value_runs_alone(matrix):
@@ -77,14 +81,9 @@ def _cli(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
 
 
 def test_cli_prints_one_cell_per_line():
-    result = _cli("vllm/v1/kv_offload/base.py", "vllm/utils/flashinfer.py")
+    result = _cli("vllm/v1/kv_offload/base.py", "vllm/v1/simple_kv_offload/manager.py")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines() == [
-        "e2e-tp1(flashinfer)",
-        "e2e-tp2(flashinfer)",
-        "e2e-tp4(flashinfer)",
-        "offload-tp1(offloading)",
-    ]
+    assert result.stdout.splitlines() == ["offload-tp1(simple)", "offload-tp1(offloading)"]
 
 
 def test_cli_json_and_stdin():
@@ -123,10 +122,14 @@ def test_every_cell_running_the_fp8_moe_guards_it(matrix):
         assert {v.id for v in moe} <= found, (
             f"{changed}: misses {[v.id for v in moe if v.id not in found]}"
         )
-    deep_gemm = {a.variant.id for a in guards.affected(matrix, ["vllm/utils/deep_gemm.py"])}
+    # DeepGEMM's vendored package runs in the deep_gemm cells alone; vllm/utils/deep_gemm.py and
+    # vllm/utils/flashinfer.py are imported by every engine, the CPU cells' too (executed/).
+    package = "vllm/third_party/deep_gemm/__init__.py"
+    deep_gemm = {a.variant.id for a in guards.affected(matrix, [package])}
     assert deep_gemm == {v.id for v in moe if _moe(v) == "deep_gemm"}
-    flashinfer = {a.variant.id for a in guards.affected(matrix, ["vllm/utils/flashinfer.py"])}
-    assert flashinfer == {v.id for v in moe if _moe(v) == "flashinfer"}
+    for helper in ("vllm/utils/deep_gemm.py", "vllm/utils/flashinfer.py"):
+        found = {a.variant.id for a in guards.affected(matrix, [helper])}
+        assert {v.id for v in moe} | {"e2e-cpu", "pd-nixl-cpu"} <= found, helper
 
 
 def test_every_gpu_engine_cell_is_selected_by_a_vllm_folder_change(matrix):
@@ -167,3 +170,124 @@ def test_cli_reads_git_diff_output_as_git_prints_it():
     folder = _cli("vllm/v1/worker/cpu")
     assert folder.stdout.split() == ["e2e-cpu", "pd-nixl-cpu", "faults"]
     assert "no cell guards" not in folder.stderr
+
+
+# --- guards against what the cells execute (executed/, glm5_matrix.results.executed) ----------
+
+# Helpers the CPU cells execute that the hand-written guards missed (issue 35): a change there
+# ran no cell.
+KV_CONNECTOR_HELPER = "vllm/distributed/kv_transfer/kv_connector/utils.py"
+MAMBA_HELPER = "vllm/v1/worker/mamba_utils.py"
+
+
+# The CPU cells whose lists come from their own runs (never derived).
+RECORDED_ON_CPU = ("e2e-cpu", "pd-nixl-cpu", "layout", "metadata")
+
+
+def _executed(matrix, variant_id: str) -> set[str]:
+    variant = matrix.variant(variant_id)
+    return {f for rec in guards.recorded(ROOT, matrix, variant) for f in rec.files}
+
+
+def test_every_cell_guards_every_vllm_file_it_executes(matrix):
+    """The check the unit cell runs on every change: the recorded lists against matrix.toml."""
+    assert guards.check(ROOT, matrix) == []
+
+
+def test_every_vllm_cell_has_a_list_of_what_it_executes(matrix):
+    """A cell that runs vLLM (its environment has it, or it runs cells that do) has a list; the
+    CPU cells' are recorded, a GPU cell's recorded or derived (its header says which)."""
+    for variant in matrix.variants:
+        if variant.env == "harness" and not variant.cell.runs:
+            continue
+        lists = guards.recorded(ROOT, matrix, variant)
+        assert lists, f"{variant.id}: no list in {guards.EXECUTED_DIR}/"
+        if variant.id in RECORDED_ON_CPU:
+            assert not any(rec.derived for rec in lists), f"{variant.id}: derived, not recorded"
+        assert len({f for rec in lists for f in rec.files}) > 100, variant.id
+
+
+def test_a_derived_list_holds_its_twins_files_today(matrix):
+    """A derived list is its twin's list, less what it drops, plus what it adds: regenerated
+    (`glm5-matrix guards derive`) when the twin's recorded list changes."""
+    derived = 0
+    for path in sorted((ROOT / guards.EXECUTED_DIR).glob("*.txt")):
+        rec = guards.read_recorded(path)
+        how = guards.derived_from(rec)
+        if how is None:
+            continue
+        twin, drop, add = how
+        twin_files = _executed(matrix, twin)
+        assert twin_files and list(rec.files) == guards.derive(twin_files, drop, add), path.name
+        derived += 1
+    assert derived >= 1
+
+
+def test_the_check_fails_on_a_planted_file_no_guard_covers(matrix, tmp_path):
+    """Plant one file no guard covers in e2e-cpu's list: the check names it, for e2e-cpu and
+    for faults (which runs e2e-cpu), and `glm5-matrix guards check` exits 1 with that line."""
+    planted = "vllm/planted_nowhere/helper.py"
+    shutil.copytree(ROOT / guards.EXECUTED_DIR, tmp_path / guards.EXECUTED_DIR)
+    shutil.copy(ROOT / MATRIX_FILE, tmp_path / MATRIX_FILE)
+    listed = tmp_path / guards.EXECUTED_DIR / "e2e-cpu.txt"
+    listed.write_text(listed.read_text() + planted + "\n")
+    problems = guards.check(tmp_path, matrix)
+    assert len(problems) == 2
+    assert problems[0].startswith("e2e-cpu executed 1 vLLM file(s) that none of its guards")
+    assert problems[1].startswith("faults executed 1 vLLM file(s)")
+    assert all(p.endswith(planted) for p in problems)
+    result = run_cli(
+        "guards", "check", env={**os.environ, "GLM5_MATRIX_ROOT": str(tmp_path)}, timeout=60
+    )
+    assert result.returncode == 1 and result.stderr.count("\n") == 2, result.stderr
+    assert planted in result.stderr
+    clean = run_cli("guards", "check", env=os.environ, timeout=60)
+    assert clean.returncode == 0, clean.stderr
+
+
+def test_uncovered_is_what_no_guard_holds():
+    files = ["vllm/v1/core/sched/scheduler.py", "vllm/v1/worker/mamba_utils.py", "vllm/config/"]
+    assert guards.uncovered(["vllm/v1/core/", "vllm/config/"], files) == [
+        "vllm/v1/worker/mamba_utils.py"
+    ]
+    # A folder (in a derived list) is covered by a folder guard holding it, never by a file in it.
+    assert guards.uncovered(["vllm/config/cache.py"], ["vllm/config/"]) == ["vllm/config/"]
+
+
+@pytest.mark.parametrize("helper", [KV_CONNECTOR_HELPER, MAMBA_HELPER])
+def test_affected_selects_the_cpu_cells_for_the_helpers_they_run(matrix, helper):
+    """Both helpers are in the CPU cells' recorded lists (they run them), and `affected` now
+    selects those cells; it answered "no cell guards" for both before."""
+    for cell in ("e2e-cpu", "pd-nixl-cpu"):
+        assert helper in _executed(matrix, cell), cell
+    found = {a.variant.id for a in guards.affected(matrix, [helper])}
+    assert {"e2e-cpu", "pd-nixl-cpu", "faults"} <= found
+    assert guards.unguarded(matrix, [helper]) == []
+    result = _cli(helper)
+    assert result.returncode == 0 and "no cell guards" not in result.stderr
+    assert {"e2e-cpu", "pd-nixl-cpu", "faults"} <= set(result.stdout.split())
+
+
+def test_both_pipelines_select_a_cell_for_every_file_it_executes(matrix):
+    """Buildkite: the step's if_changed globs match each recorded file; GitHub: the matrix job
+    keeps the cell for a change to it (the same selection as `affected`)."""
+    import fnmatch
+
+    import yaml
+
+    from glm5_matrix.report import pipelines
+
+    steps = {
+        s["label"]: s
+        for s in yaml.safe_load(pipelines.render("buildkite", matrix))["steps"]
+        if "label" in s
+    }
+    sessions = [{"session": v.id, "tags": v.tags} for v in matrix.variants]
+    for variant in matrix.variants:
+        files = sorted({f for rec in guards.recorded(ROOT, matrix, variant) for f in rec.files})
+        include = steps[variant.id]["if_changed"]["include"]
+        missed = [f for f in files if not any(fnmatch.fnmatch(f, p) for p in include)]
+        assert not missed, f"{variant.id}: if_changed misses {missed[:5]}"
+        for changed in files[:: max(1, len(files) // 20)]:  # a spread of them, each alone
+            kept = pipelines.github_matrix(matrix, sessions, [changed])
+            assert variant.id in {e["session"] for e in kept}, (variant.id, changed)

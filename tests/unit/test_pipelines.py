@@ -325,6 +325,9 @@ def test_github_matrix_fails_when_no_cell_guards_the_changed_paths(tmp_path):
     assert result.stderr.count("\n") == 1 and not output.exists()
 
 
+DEEP_GEMM_PACKAGE = "vllm/third_party/deep_gemm/__init__.py"
+
+
 def test_workflow_runs_gpu_cells_only_on_demand_and_never_for_forks(tmp_path, matrix):
     data = pipelines.github(matrix)  # safe_load reads the key `on` as True (YAML 1.1)
     on = data["on"]
@@ -348,8 +351,10 @@ def test_workflow_runs_gpu_cells_only_on_demand_and_never_for_forks(tmp_path, ma
     assert [e["session"] for e in entries] == [v.id for v in matrix.variants if not v.cell.gpus]
     assert all(e["runs-on"] == "ubuntu-latest" for e in entries)
     assert "GPU cells are off" in cpu_only.stderr
+    # DeepGEMM's vendored package: only the deep_gemm cells run it (vllm/utils/deep_gemm.py is
+    # imported by every engine, the CPU cells' too: executed/)
     gpu_only_change = _cli(
-        "github-matrix", str(sessions), "--gpu", "false", "--changed", "vllm/utils/flashinfer.py"
+        "github-matrix", str(sessions), "--gpu", "false", "--changed", DEEP_GEMM_PACKAGE
     )
     assert gpu_only_change.returncode == 2 and "only GPU cells" in gpu_only_change.stderr
 

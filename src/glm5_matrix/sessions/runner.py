@@ -30,7 +30,7 @@ from glm5_matrix.matrix import context as cell_context
 from glm5_matrix.matrix.matrix import MATRIX_FILE, Matrix, Variant, load_matrix
 from glm5_matrix.matrix.profiles import load_profile, repo_root
 from glm5_matrix.models import drafters, weights
-from glm5_matrix.results import closing, schema
+from glm5_matrix.results import closing, executed, schema
 
 VENVS_VARIABLE = "GLM5_MATRIX_VENVS"
 # Suites that load model weights; the others read the profile's config only.
@@ -259,6 +259,17 @@ def _run_leased(
     if built.bin_dir is not None:
         run_env["VIRTUAL_ENV"] = str(built.venv)
         run_env["PATH"] = os.pathsep.join((str(built.bin_dir), environ.get("PATH", "")))
+    # Which vLLM files the cell executes (glm5_matrix.results.executed), in every process it starts;
+    # a cell without vLLM (the harness's) turns it off for the cells it runs itself (faults).
+    records = bool(env.vllm or override) and bool(variant.cell.tests)
+    try:
+        records = records and executed.enabled(environ, variant.cell.gpus)
+    except UserError as exc:
+        session.error(str(exc))
+    if records:
+        run_env.update(executed.configure(out))
+    elif not env.vllm and not override:
+        run_env[executed.COVERAGE_VARIABLE] = "0"
 
     cell = variant.cell
     if cell.commands:
@@ -308,7 +319,23 @@ def _run_leased(
             session.run(*command, env=run_env, external=True, **supervision.NOX_TIMEOUTS)
     finally:
         session.log(f"{variant.id}: {closing.summarize(out)}")
+    if records:
+        record_executed(session, variant, built.python, out, run_env)
     return kernels
+
+
+def record_executed(
+    session: Any, variant: Variant, python: Path, out: Path, run_env: Mapping[str, str]
+) -> None:
+    """After the tests passed: combine the coverage data of every process, write the executed
+    vLLM files into the results folder and fail the cell when its guards miss one. Run with the
+    cell's interpreter (coverage is installed there), which itself is not measured."""
+    env = {k: v for k, v in run_env.items() if k != "COVERAGE_PROCESS_START"}
+    session.run(
+        *executed.collect_command(python, out, variant.id, repo_root() / MATRIX_FILE),
+        env=env,
+        external=True,
+    )
 
 
 @contextlib.contextmanager
