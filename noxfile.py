@@ -33,6 +33,7 @@ from glm5_matrix.errors import UserError
 from glm5_matrix.machine import hardware, supervision
 from glm5_matrix.matrix.matrix import Cell, Matrix
 from glm5_matrix.sessions import runner, tools, warm
+from glm5_matrix.upstream import session as upstream_session
 
 nox.options.default_venv_backend = "none"
 # A bare `nox` only prints the plan. The default is left unset while listing, because nox's
@@ -118,6 +119,13 @@ def bench(session: nox.Session) -> None:
 def report(session: nox.Session) -> None:
     """The matrix report from results/: report.md, report.html, junit.xml (-- --help)."""
     tools.run(session, ["report", *session.posargs])
+
+
+@nox.session(tags=["meta"])
+def upstream(session: nox.Session) -> None:
+    """The vLLM defects the matrix found, reproduced on the CPU build: `reproduced` or `not
+    reproduced on vLLM X` each (-- --controls: also the defect-absent runs; -- NAME picks)."""
+    upstream_session.run(session)
 
 
 @nox.session(tags=["meta"])
