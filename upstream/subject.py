@@ -71,6 +71,14 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def kill_descendants() -> None:
+    """SIGKILL every descendant of this process (a subject that gives up on vLLM stops what vLLM
+    started before it exits)."""
+    for pid in reversed(descendants(os.getpid())):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def verdict(reproduced: bool | None, detail: str) -> None:
     """The subject's verdict line (None: no check was made)."""
     try:
@@ -108,10 +116,14 @@ def run(command: Sequence[str], timeout: float) -> int:
     out = ""
     try:
         out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        print(f"the subject ran past {timeout:.0f} s", file=sys.stderr)
-    finally:
         leftovers = stop_group(proc)
+    except BaseException as exc:  # past the timeout, or interrupted: what it printed, then stop
+        if isinstance(exc, subprocess.TimeoutExpired):
+            print(f"the subject ran past {timeout:.0f} s", file=sys.stderr)
+        leftovers = stop_group(proc, grace=0)
+        out = (out or "") + (proc.communicate()[0] or "")
+        if not isinstance(exc, subprocess.TimeoutExpired):
+            raise
     sys.stderr.write(out or "")
     found = [line[len(MARK) :] for line in (out or "").splitlines() if line.startswith(MARK)]
     if leftovers:

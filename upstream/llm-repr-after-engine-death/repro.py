@@ -87,7 +87,7 @@ def main() -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--wait", type=float, default=30.0, help="s to wait for repr()")
     parser.add_argument("--workaround", action="store_true", help="set LLM._cached_repr first")
-    parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--timeout", type=float, default=1200.0)
     parser.add_argument("--subject", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.subject:

@@ -183,7 +183,7 @@ def main() -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--stall", type=float, default=8.0, help="s P is stopped (> 5)")
     parser.add_argument("--startup", type=float, default=600.0, help="s to wait for a server")
-    parser.add_argument("--timeout", type=float, default=1200.0)
+    parser.add_argument("--timeout", type=float, default=2000.0)
     parser.add_argument("--subject", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.subject:
