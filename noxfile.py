@@ -33,6 +33,7 @@ from glm5_matrix.errors import UserError
 from glm5_matrix.machine import hardware, supervision
 from glm5_matrix.matrix.matrix import Cell, Matrix
 from glm5_matrix.sessions import runner, tools, warm
+from glm5_matrix.upstream import session as upstream_session
 
 # -j (cells side by side) came with nox 2026.08; an older nox refuses to run this file.
 nox.needs_version = ">=2026.8"
@@ -121,6 +122,13 @@ def bench(session: nox.Session) -> None:
 def report(session: nox.Session) -> None:
     """The matrix report from results/: report.md, report.html, junit.xml (-- --help)."""
     tools.run(session, ["report", *session.posargs])
+
+
+@nox.session(tags=["meta"])
+def upstream(session: nox.Session) -> None:
+    """The vLLM defects the matrix found, reproduced on the CPU build: `reproduced` or `not
+    reproduced on vLLM X` each (-- --controls: also the defect-absent runs; -- NAME picks)."""
+    upstream_session.run(session)
 
 
 @nox.session(tags=["meta"])

@@ -343,7 +343,10 @@ def _connect(
     tried again, up to [pd] connect_attempts, each failure printed, the count recorded
     (pd.connect_attempts); any other failure, a handshake P refused included, fails at once
     with what D logged. vLLM counts handshake failures among its "sporadic lower-transport-layer
-    events" (nixl/stats.py); what the suite judges is what a connection carries."""
+    events" (nixl/stats.py); what the suite judges is what a connection carries.
+
+    The defect, reproduced for vLLM's maintainers: upstream/nixl-handshake-timeout ([pd]
+    connect_retry_reproduction); remove the retry when `nox -s upstream` no longer reproduces it."""
     attempts = int(pd["connect_attempts"])
     prompt = _prompt(model, block_size + 1, seed=5)
     for attempt in range(1, attempts + 1):

@@ -25,6 +25,7 @@ ROOMS = (
     "models",
     "checkpoints",
     "engines",
+    "upstream",  # nox -s upstream: the reproductions of vLLM defects (upstream/ at the root)
     "sessions",
     "cli",  # the entry point: it finds its subcommands' modules by name
 )

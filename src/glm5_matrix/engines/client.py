@@ -55,6 +55,9 @@ from glm5_matrix.verdicts.compare import GreedyOutput
 
 INSECURE_SERIALIZATION = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 SHUTDOWN_TIMEOUT_S = 30.0
+# LLM.__repr__ waits forever on an engine core that died (Engine.start sets vLLM's cached repr
+# up front): the vLLM defect, reproduced for its maintainers (upstream/NAME/repro.py).
+REPR_REPRODUCTION = "upstream/llm-repr-after-engine-death"
 
 
 class Engine:
@@ -117,7 +120,8 @@ class Engine:
             # no timeout) unless its cache is set. pytest reprs a traceback's arguments, so a
             # failure or Ctrl-C with an LLM frame in it waited forever on an engine core that
             # had stopped (the faults cell's SIGTERM to e2e-cpu while generating, in
-            # pytest_keyboard_interrupt). vLLM's own fallback text, set up front.
+            # pytest_keyboard_interrupt). vLLM's own fallback text, set up front. Reproduced for
+            # vLLM's maintainers: REPR_REPRODUCTION (remove this when it no longer reproduces).
             if hasattr(self._llm, "_cached_repr"):
                 self._llm._cached_repr = f"LLM(model={self.spec.model!r})"
             account_start(

@@ -69,7 +69,9 @@ def prefill_chunk_args(cell: CellContext, profile: Profile) -> dict[str, Any]:
     flashkda KDA does: the whole prompt then runs in one pass); a chunk budget of one block
     makes it end there (v1/core/sched/scheduler.py _mamba_block_aligned_split, 0.32 and 0.33).
     The block is the layout planner's for the cell's TP (no speculative tokens, bf16 KV), which
-    test_kv_layout checks against the engine's."""
+    test_kv_layout checks against the engine's. A side effect: the in-chunk checkpoint store
+    (store_cache_checkpoints_kernel) no longer runs, so compiled mode under the guard no longer
+    meets upstream/jit-monitor-checkpoint-store (H200, 2026-12-03)."""
     blocks = profile.section("prompts").get("prefill_chunk_blocks")
     if blocks is None:
         return {}

@@ -19,6 +19,9 @@ that follows (MPClient's wait for the engine's ready message), vLLM's own cleanu
 already returned is raised on the way out; a start that failed after a SIGINT (an engine core
 stopped by it) raises KeyboardInterrupt from that failure. Outside the main thread, or where SIGINT has another
 handler than Python's default, it does nothing.
+
+The defect, reproduced for vLLM's maintainers: upstream/ctrl-c-during-start (REPRODUCTION);
+remove this module when `nox -s upstream` no longer reproduces it.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 
 REDELIVER_S = 0.5
+# The reproduction of the vLLM defect this works around (upstream/NAME/repro.py).
+REPRODUCTION = "upstream/ctrl-c-during-start"
 # vLLM's frames that swallow a KeyboardInterrupt: (function name, a part of its module's path).
 SWALLOWING = (("launch_core_engines", "vllm"),)
 

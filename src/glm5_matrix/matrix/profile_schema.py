@@ -95,6 +95,7 @@ SCHEMA: dict[str, Any] = {
         "startup_timeout_s": "number",
         "request_timeout_s": "number",
         "connect_attempts": "int",
+        "connect_retry_reproduction": "str",  # upstream/NAME: the defect the retry works around
         "tolerances": TOLERANCES,
     },
     "dflash": {
