@@ -308,3 +308,25 @@ def test_a_start_names_its_files_and_their_writers():
     start["compile"]["entries_added"] = {"flashinfer": 0}
     start["compile"]["written"] = start["compile"]["written"][1:]
     assert page._kernel_files_cell(start).startswith("<td>0; not the cell&#x27;s: 5<details>")
+
+
+def test_a_cell_whose_guards_miss_an_executed_file_is_failed(tree, tmp_path):
+    """The runner fails a cell after its tests when it executed a vLLM file none of its guards
+    covers (glm5_matrix.results.executed): the report must not call it passed."""
+    import shutil
+
+    from glm5_matrix.results import executed
+
+    copy = tmp_path / "results"
+    shutil.copytree(tree, copy)
+    executed.record(copy / "unit", "unit", ["vllm/a.py", "vllm/b.py"], 3, [])
+    assert _cell(model.collect(results_tree.matrix(), copy), "unit").label == "passed"
+    left = ["vllm/x.py", "vllm/y.py", "vllm/z.py", "vllm/w.py"]
+    executed.record(copy / "unit", "unit", ["vllm/a.py", *left], 3, left)
+    assert _cell(model.collect(results_tree.matrix(), copy), "unit").label == (
+        "failed: executed 4 vLLM file(s) no guard covers: vllm/x.py, vllm/y.py, vllm/z.py and 1 more"
+    )
+    executed.record(copy / "unit", "unit", [], 0, [])
+    assert _cell(model.collect(results_tree.matrix(), copy), "unit").label == (
+        "failed: no process recorded which vLLM files it executed"
+    )

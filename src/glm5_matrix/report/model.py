@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from glm5_matrix.errors import UserError
+from glm5_matrix.matrix.guards import EXECUTED_FILE
 from glm5_matrix.matrix.matrix import Matrix, Variant
 from glm5_matrix.results.schema import RESULTS_FILE, first_line
 
@@ -232,7 +233,26 @@ def _read_cell(folder: Path, cell_id: str, slug: str, variant: Variant | None) -
     cell.versions = dict(data.get("versions") or {})
     cell.tests = _junit_tests(folder / "junit.xml", _recorded_tests(data))
     cell.status, cell.reason = _status(data, cell)
+    if cell.status == "passed":  # the runner's check after the tests (glm5_matrix.results.executed)
+        unguarded = _unguarded(folder / EXECUTED_FILE)
+        if unguarded:
+            cell.status, cell.reason = "failed", unguarded
     return cell
+
+
+def _unguarded(path: Path) -> str:
+    """Why the executed-files check failed a cell whose tests passed, or "" (no record, or none
+    uncovered): vLLM files it executed that none of its guards covers, or no data at all."""
+    record = _load_json(path)
+    if not record or "_unreadable" in record:
+        return ""
+    left = [str(f) for f in record.get("uncovered") or []]
+    if left:
+        more = f" and {len(left) - 3} more" if len(left) > 3 else ""
+        return f"executed {len(left)} vLLM file(s) no guard covers: {', '.join(left[:3])}{more}"
+    if record.get("processes") == 0:
+        return "no process recorded which vLLM files it executed"
+    return ""
 
 
 def _recorded_tests(data: dict[str, Any]) -> list[TestResult]:
