@@ -26,6 +26,7 @@ ROOMS = (
     "checkpoints",
     "engines",
     "sessions",
+    "mutants",  # plants regressions in copies of the cells' environments and runs the cells
     "cli",  # the entry point: it finds its subcommands' modules by name
 )
 
