@@ -5,6 +5,7 @@ so the table always shows the whole catalogue's latest verdicts."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -93,6 +94,22 @@ def write(
     wall_seconds: float,
     ci: bool = False,
     order: Sequence[str] = (),
+) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    # Two sessions may share the folder (cells split between them): read, merge and write
+    # under one lock.
+    with (out / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _write(out, controls, outcomes, wall_seconds, ci, order)
+
+
+def _write(
+    out: Path,
+    controls: Sequence[_Outcome],
+    outcomes: Sequence[_Outcome],
+    wall_seconds: float,
+    ci: bool,
+    order: Sequence[str],
 ) -> Path:
     path = out / RESULTS_FILE
     try:

@@ -27,6 +27,21 @@ def verdict_text(row: Mapping[str, Any]) -> str:
     return f"invalid: {row.get('detail', '')}"
 
 
+def rows_table(data: Mapping[str, Any], breaks: bool = True) -> list[str]:
+    """The mutants' rows as a Markdown table (`breaks`: with what each breaks)."""
+    head = "| mutant | cell | area |" + (" what it breaks |" if breaks else "") + " verdict |"
+    lines = [head, "|---" * head.count(" | ") + "|---|"]
+    for row in data.get("mutants", []):
+        verdict = verdict_text(row)
+        if row.get("no_power"):
+            verdict += f" (no power: {row['no_power']})"
+        middle = f" {_cell(row['breaks'])} |" if breaks else ""
+        lines.append(
+            f"| `{row['name']}` | `{row['cell']}` | {_cell(row['area'])} |{middle} {_cell(verdict)} |"
+        )
+    return lines
+
+
 def render(data: Mapping[str, Any]) -> str:
     rows = data.get("mutants", [])
     lines = [
@@ -35,21 +50,12 @@ def render(data: Mapping[str, Any]) -> str:
         f"{len(rows)} mutants{' (the CI subset)' if data.get('ci') else ''}; "
         f"wall {data.get('wall_seconds', 0) / 60:.1f} min.",
         "",
-        "| mutant | cell | area | what it breaks | verdict |",
-        "|---|---|---|---|---|",
+        *rows_table(data),
     ]
-    for row in rows:
-        verdict = verdict_text(row)
-        if row.get("no_power"):
-            verdict += f" (no power: {row['no_power']})"
-        lines.append(
-            f"| `{row['name']}` | `{row['cell']}` | {_cell(row['area'])} | "
-            f"{_cell(row['breaks'])} | {_cell(verdict)} |"
-        )
     summary = data.get("summary", {})
     lines += ["", "| cell | caught / judged |", "|---|---|"]
     for cell, rate in summary.get("per_cell", {}).items():
-        lines.append(f"| `{cell}` | {rate} |")
+        lines.append(f"| `{cell}` | {'not run here (GPU)' if rate == '0/0' else rate} |")
     lines.append(f"| **overall** | **{summary.get('overall', '0/0')}** |")
     controls = data.get("controls", [])
     if controls:
