@@ -320,3 +320,17 @@ def test_the_table_says_why_a_mutant_survived_or_was_not_run() -> None:
     assert "**survived**: the code does not run on the CPU build" in text
     assert "not run here: needs 1 GPU; nox -s mutants -- --only g (no power: noise)" in text
     assert "b\\|c" in text
+
+
+def test_a_mutant_whose_control_is_not_green_is_not_run(tmp_path: Path) -> None:
+    from glm5_matrix.mutants import run
+
+    m = Mutant("m", Path("m.patch"), "e2e-cpu", "cpu", "a", "b", "test_a", ("test_a",))
+    red = verdicts.Verdict(verdicts.INVALID, detail="the control run wrote no results.json")
+    said: list[str] = []
+    outcome = run._attempt(
+        runner.load(ROOT), m, "e2e-cpu", "test_a", tmp_path, [], red, said.append, False
+    )
+    assert outcome.verdict.status == verdicts.INVALID
+    assert "the control run wrote no results.json" in outcome.verdict.detail
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "work").exists()

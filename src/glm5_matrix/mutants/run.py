@@ -120,19 +120,26 @@ def run_cell(
     environ.pop(environments.PYTHON_VARIABLE, None)  # the copy is the interpreter, not one given
     log.parent.mkdir(parents=True, exist_ok=True)
     timeout = variant.cell.timeout_minutes * 60
+    started = results / variant.slug  # the runner makes it when the cell starts
     with log.open("w") as sink:
         sink.write(f"$ {shlex.join(command)}\n")
         sink.flush()
         process = subprocess.Popen(command, env=environ, stdout=sink, stderr=subprocess.STDOUT)
         try:
-            return process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            process.send_signal(signal.SIGTERM)  # nox's supervision stops the cell
-            try:
-                return process.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                return process.wait()
+            # The cell's timeout counts from its start, not from while `wrap` waits for a slot.
+            deadline = None
+            while process.poll() is None:
+                if deadline is None and started.exists():
+                    deadline = time.monotonic() + timeout
+                if deadline is not None and time.monotonic() > deadline:
+                    process.send_signal(signal.SIGTERM)  # nox's supervision stops the cell
+                    try:
+                        return process.wait(timeout=120)
+                    except subprocess.TimeoutExpired:
+                        process.kill()
+                        return process.wait()
+                time.sleep(2)
+            return process.returncode
         except BaseException:
             process.send_signal(signal.SIGTERM)
             process.wait(timeout=120)
@@ -152,6 +159,11 @@ def _attempt(
 ) -> Outcome:
     variant = matrix.variant(cell)
     label = mutant.name if mutant else f"control-{variant.slug}"
+    if mutant is not None and (control is None or control.status != verdicts.SURVIVED):
+        # Nothing a run of it could show: not run, and not judged.
+        verdict = verdicts.judge(None, mutant.expect, control)
+        say(f"{label}: {verdict.status} ({verdict.detail})")
+        return Outcome(mutant, cell, verdict, 0.0, None)
     work = out / "work" / label
     venvs = work / "venvs"
     results = out / "runs" / label
