@@ -193,7 +193,8 @@ def _attempt(
     else:
         verdict = verdicts.judge(data, mutant.expect, control)
     seconds = time.monotonic() - started
-    say(f"{label}: {verdict.status} ({verdict.detail}) in {seconds:.0f} s")
+    shown = "green" if mutant is None and verdict.status == verdicts.SURVIVED else verdict.status
+    say(f"{label}: {shown} ({verdict.detail}) in {seconds:.0f} s")
     return Outcome(mutant, cell, verdict, seconds, str(results / variant.slug), files)
 
 

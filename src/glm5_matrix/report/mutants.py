@@ -61,5 +61,6 @@ def render(data: Mapping[str, Any]) -> str:
     if controls:
         lines += ["", "Controls (the unpatched copy, the same tests):", ""]
         for c in controls:
-            lines.append(f"- `{c['cell']}`: {c['status']} ({c['detail']}), {c['seconds']:.0f} s")
+            status = "green" if c["status"] == "survived" else c["status"]
+            lines.append(f"- `{c['cell']}`: {status} ({c['detail']}), {c['seconds']:.0f} s")
     return "\n".join(lines) + "\n"
