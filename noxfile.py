@@ -137,3 +137,18 @@ def pipeline(session: nox.Session) -> None:
     if not session.posargs:
         session.error("say which: nox -s pipeline -- buildkite (or github) [--output FILE]")
     tools.run(session, ["pipeline", *session.posargs])
+
+
+@nox.session(tags=["meta"])
+def mutants(session: nox.Session) -> None:
+    """vLLM regressions planted in copies of the cells' environments: caught or survived
+    (mutants/catalogue.toml; -- --ci for the CI subset, --jobs N, --only NAME, --list)."""
+    src = str(Path(__file__).parent / "src")
+    session.run(
+        sys.executable,
+        "-m",
+        "glm5_matrix.mutants.run",
+        *session.posargs,
+        env={"PYTHONPATH": src},
+        external=True,
+    )

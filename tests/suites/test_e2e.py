@@ -295,6 +295,37 @@ def test_greedy_reproducible_across_block_boundary(
         print(f"repeat: over the whole run the stale block is not rejected with power: {weak}")
 
 
+def test_prefix_cache_tells_the_last_token_of_a_block(
+    engine: Engine, profile: Profile, layout: dict[str, Any]
+) -> None:
+    """A prompt that differs from a cached one only in the last token of its first block must
+    get no cached state covering that token: what it is served covers fewer tokens than the
+    first position where the prompts differ, and its output agrees with its own cold runs under
+    their noise (first step and whole run). The repeat's stale-block control changes a whole
+    block, so a block hash that leaves out a block's last token passes it; this is the check
+    that sees one (mutant block-hash-drops-last-token)."""
+    prompts, tolerances = profile.section("prompts"), profile.section("tolerances")
+    block = block_size_of(layout)
+    cached = _prompt(profile, engine, int(prompts["long_blocks"] * block))
+    other = list(cached)
+    other[block - 1] = (other[block - 1] + 1) % engine.vocab_size()
+    runs = judging.reference_runs(engine, other, int(prompts["max_tokens"]), tolerances)
+    whole = judging.repeated("last_token", runs, "cold", tolerances)
+    prefill = judging.prefill_step("last_token_prefill", runs, "cold", tolerances, whole.floor.step)
+    assert engine.reset_prefix_cache()
+    engine.generate_greedy(cached, 1)  # the prompt it differs from, now in the prefix cache
+    served = engine.generate_scored(other, int(prompts["max_tokens"]), TOP_LOGPROBS)
+    record_figure(
+        "last_token.served_cached_tokens", served.cached_tokens, limit=block - 1, relation="<="
+    )
+    assert (served.cached_tokens or 0) <= block - 1, (
+        f"served {served.cached_tokens} cached tokens of a prompt that differs from the cached "
+        f"one at token {block - 1}: the cache did not tell the two prompts apart"
+    )
+    prefill.agrees(judging.first_step(runs[0]), judging.first_step(served), ("cold", "served"))
+    whole.agrees(runs[0], served, ("cold", "served"))
+
+
 def _stale_block(profile: Profile, engine: Engine, prompt: list[int], block: int) -> list[int]:
     """The prompt with its last tokens before the first block boundary drawn anew (the
     profile's control_changed_blocks, in blocks): the prompt whose cached first block a stale or

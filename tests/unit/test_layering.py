@@ -27,6 +27,7 @@ ROOMS = (
     "engines",
     "upstream",  # nox -s upstream: the reproductions of vLLM defects (upstream/ at the root)
     "sessions",
+    "mutants",  # plants regressions in copies of the cells' environments and runs the cells
     "cli",  # the entry point: it finds its subcommands' modules by name
 )
 

@@ -1,0 +1,132 @@
+"""results.json and report.md of a mutants run, written atomically into its results folder.
+
+A run of some mutants (--only, --ci) updates their rows and keeps the others' from earlier runs,
+so the table always shows the whole catalogue's latest verdicts."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from glm5_matrix.files import write_atomic, write_json_atomic
+from glm5_matrix.mutants import verdicts
+from glm5_matrix.mutants.catalogue import Mutant
+from glm5_matrix.report import mutants as table
+
+RESULTS_FILE = "results.json"
+REPORT_FILE = "report.md"
+
+
+class _Outcome(Protocol):
+    """What glm5_matrix.mutants.run records of one run (its Outcome)."""
+
+    @property
+    def mutant(self) -> Mutant | None: ...
+    @property
+    def cell(self) -> str: ...
+    @property
+    def verdict(self) -> verdicts.Verdict: ...
+    @property
+    def seconds(self) -> float: ...
+    @property
+    def results_dir(self) -> str | None: ...
+    @property
+    def patched_files(self) -> tuple[str, ...]: ...
+
+
+def row(outcome: _Outcome) -> dict[str, Any]:
+    m, v = outcome.mutant, outcome.verdict
+    base: dict[str, Any] = {
+        "cell": outcome.cell,
+        "status": v.status,
+        "detail": v.detail,
+        "caught_by": list(v.caught_by),
+        "expected_hit": v.expected_hit,
+        "seconds": round(outcome.seconds, 1),
+        "results_dir": outcome.results_dir,
+    }
+    if m is None:
+        return base
+    return {
+        "name": m.name,
+        "patch": m.patch.name,
+        "env": m.env,
+        "area": m.area,
+        "breaks": m.breaks,
+        "select": m.select,
+        "expect": list(m.expect),
+        "ci": m.ci,
+        "no_power": m.no_power,
+        "note": m.note,
+        "patched_files": list(outcome.patched_files),
+        **base,
+    }
+
+
+def merge(
+    previous: list[dict[str, Any]], new: list[dict[str, Any]], key: str
+) -> list[dict[str, Any]]:
+    """`previous` rows with those of `new` replaced (by `key`), new ones appended."""
+    fresh = {r[key]: r for r in new}
+    merged = [fresh.pop(r[key], r) for r in previous]
+    return merged + [r for r in new if r[key] in fresh]
+
+
+def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    per_cell, overall = verdicts.catch_rates([(r["cell"], r["status"]) for r in rows])
+    return {
+        "per_cell": {cell: rate.describe() for cell, rate in per_cell.items()},
+        "overall": overall.describe(),
+        "caught": overall.caught,
+        "judged": overall.judged,
+        "not_run": sum(r["status"] == verdicts.NOT_RUN for r in rows),
+        "survivors": [r["name"] for r in rows if r["status"] == verdicts.SURVIVED],
+    }
+
+
+def write(
+    out: Path,
+    controls: Sequence[_Outcome],
+    outcomes: Sequence[_Outcome],
+    wall_seconds: float,
+    ci: bool = False,
+    order: Sequence[str] = (),
+) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    # Two sessions may share the folder (cells split between them): read, merge and write
+    # under one lock.
+    with (out / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _write(out, controls, outcomes, wall_seconds, ci, order)
+
+
+def _write(
+    out: Path,
+    controls: Sequence[_Outcome],
+    outcomes: Sequence[_Outcome],
+    wall_seconds: float,
+    ci: bool,
+    order: Sequence[str],
+) -> Path:
+    path = out / RESULTS_FILE
+    try:
+        previous = json.loads(path.read_text())
+    except (OSError, ValueError):
+        previous = {}
+    rows = merge(previous.get("mutants", []), [row(o) for o in outcomes], "name")
+    if order:
+        rank = {name: i for i, name in enumerate(order)}
+        rows.sort(key=lambda r: rank.get(r["name"], len(rank)))
+    data = {
+        "ci": ci,
+        "wall_seconds": round(wall_seconds, 1),
+        "controls": merge(previous.get("controls", []), [row(c) for c in controls], "cell"),
+        "mutants": rows,
+        "summary": summarize(rows),
+    }
+    write_json_atomic(path, data)
+    write_atomic(out / REPORT_FILE, table.render(data))
+    return path

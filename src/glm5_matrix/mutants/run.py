@@ -1,0 +1,331 @@
+"""`nox -s mutants`: plant each catalogued regression in a copy of its cell's environment, run
+the cell's selected tests there, and record whether the matrix caught it.
+
+Per cell, a control run of an unpatched copy comes first (the union of its mutants' selections);
+only when it is green are that cell's mutants judged. Every run is the cell's own nox session
+(`nox -s CELL -- -k SELECT`) with GLM5_MATRIX_VENVS pointing at the copy, so it runs exactly as
+the matrix runs it, and writes its results.json under the mutants' results folder, never under
+results/. GPU cells this box cannot run are listed with the command that runs them.
+
+    python -m glm5_matrix.mutants.run [--ci] [--jobs N] [--only NAME ...] [--list]
+
+GLM5_MATRIX_MUTANTS_WRAP (e.g. "heavy") is put before every cell command: on a shared box each
+cell then takes a machine-wide slot of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from glm5_matrix.envs import environments
+from glm5_matrix.errors import UserError
+from glm5_matrix.machine import hardware
+from glm5_matrix.matrix.matrix import Matrix, Variant
+from glm5_matrix.matrix.profiles import repo_root
+from glm5_matrix.mutants import catalogue, patching, record, verdicts
+from glm5_matrix.mutants.catalogue import Mutant
+from glm5_matrix.results import schema
+from glm5_matrix.sessions import runner
+
+WRAP_VARIABLE = "GLM5_MATRIX_MUTANTS_WRAP"
+OUT_VARIABLE = "GLM5_MATRIX_MUTANTS_RESULTS"
+DEFAULT_OUT = "results-mutants"
+
+
+def out_dir(environ: dict[str, str]) -> Path:
+    return Path(environ.get(OUT_VARIABLE) or repo_root() / DEFAULT_OUT)
+
+
+def gpu_command(mutant: Mutant) -> str:
+    return f"nox -s mutants -- --only {mutant.name}"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    mutant: Mutant | None  # None: the control of `cell`
+    cell: str
+    verdict: verdicts.Verdict
+    seconds: float
+    results_dir: str | None
+    patched_files: tuple[str, ...] = ()
+
+
+def source_venv(matrix: Matrix, variant: Variant, say: Callable[[str], None]) -> Path:
+    """A built venv of the variant's environment to copy: the cell's own under .nox, or another
+    variant's of the same environment whose fingerprint is current; else the cell's is built."""
+    env = environments.load_envs(repo_root())[variant.env]
+    wanted = environments.fingerprint(env, None)
+    base = repo_root() / ".nox"
+    for other in [variant, *matrix.variants]:
+        if other.env != variant.env:
+            continue
+        marker = base / other.slug / environments.FINGERPRINT_FILE
+        try:
+            if json.loads(marker.read_text()) == wanted:
+                return base / other.slug
+        except (OSError, ValueError):
+            continue
+    say(f"building the {variant.env} environment at {base / variant.slug}")
+    built = environments.build(env, base / variant.slug)
+    assert built.venv is not None
+    return built.venv
+
+
+def run_cell(
+    variant: Variant,
+    select: str,
+    venvs: Path,
+    results: Path,
+    log: Path,
+    wrap: Sequence[str],
+    first_failure: bool = False,
+) -> int:
+    """The cell's own nox session on the copy in `venvs`, its results under `results`; with
+    `first_failure`, pytest stops at the first failing test (-x: a caught mutant is named by
+    its first catcher, and its run is short)."""
+    command = [
+        *wrap,
+        sys.executable,
+        "-m",
+        "nox",
+        "-f",
+        str(repo_root() / "noxfile.py"),
+        "-s",
+        variant.id,
+        "--",
+        "-k",
+        select,
+        "-p",
+        "no:cacheprovider",
+        *(["-x"] if first_failure else []),
+    ]
+    environ = {
+        **os.environ,
+        runner.VENVS_VARIABLE: str(venvs),
+        schema.RESULTS_VARIABLE: str(results),
+    }
+    environ.pop(environments.PYTHON_VARIABLE, None)  # the copy is the interpreter, not one given
+    log.parent.mkdir(parents=True, exist_ok=True)
+    timeout = variant.cell.timeout_minutes * 60
+    started = results / variant.slug  # the runner makes it when the cell starts
+    with log.open("w") as sink:
+        sink.write(f"$ {shlex.join(command)}\n")
+        sink.flush()
+        process = subprocess.Popen(command, env=environ, stdout=sink, stderr=subprocess.STDOUT)
+        try:
+            # The cell's timeout counts from its start, not from while `wrap` waits for a slot.
+            deadline = None
+            while process.poll() is None:
+                if deadline is None and started.exists():
+                    deadline = time.monotonic() + timeout
+                if deadline is not None and time.monotonic() > deadline:
+                    process.send_signal(signal.SIGTERM)  # nox's supervision stops the cell
+                    try:
+                        return process.wait(timeout=120)
+                    except subprocess.TimeoutExpired:
+                        process.kill()
+                        return process.wait()
+                time.sleep(2)
+            return process.returncode
+        except BaseException:
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=120)
+            raise
+
+
+def _attempt(
+    matrix: Matrix,
+    mutant: Mutant | None,
+    cell: str,
+    select: str,
+    out: Path,
+    wrap: Sequence[str],
+    control: verdicts.Verdict | None,
+    say: Callable[[str], None],
+    keep: bool,
+) -> Outcome:
+    variant = matrix.variant(cell)
+    label = mutant.name if mutant else f"control-{variant.slug}"
+    if mutant is not None and (control is None or control.status != verdicts.SURVIVED):
+        # Nothing a run of it could show: not run, and not judged.
+        verdict = verdicts.judge(None, mutant.expect, control)
+        say(f"{label}: {verdict.status} ({verdict.detail})")
+        return Outcome(mutant, cell, verdict, 0.0, None)
+    work = out / "work" / label
+    venvs = work / "venvs"
+    results = out / "runs" / label
+    if results.exists():
+        shutil.rmtree(results)
+    started = time.monotonic()
+    source = source_venv(matrix, variant, say)
+    files: tuple[str, ...] = ()
+    try:
+        if mutant is None:
+            patching.control_copy(source, venvs / variant.slug)
+        else:
+            files = patching.apply_patch(source, venvs / variant.slug, mutant.patch).files
+        say(f"{label}: running {variant.id} -k {select!r}")
+        log = results / "nox.log"
+        run_cell(variant, select, venvs, results, log, wrap, first_failure=mutant is not None)
+    except UserError as exc:
+        return Outcome(
+            mutant, cell, verdicts.Verdict(verdicts.INVALID, detail=str(exc)), 0.0, None, files
+        )
+    finally:
+        if not keep and work.exists():
+            shutil.rmtree(work)  # hard links and the copy's own files only
+    data = schema.load(results / variant.slug)
+    if mutant is None:
+        verdict = verdicts.judge_control(data)
+    else:
+        verdict = verdicts.judge(data, mutant.expect, control)
+    seconds = time.monotonic() - started
+    shown = "green" if mutant is None and verdict.status == verdicts.SURVIVED else verdict.status
+    say(f"{label}: {shown} ({verdict.detail}) in {seconds:.0f} s")
+    return Outcome(mutant, cell, verdict, seconds, str(results / variant.slug), files)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="nox -s mutants --", description=__doc__.split("\n")[0])
+    parser.add_argument("--ci", action="store_true", help="only the catalogue's CI subset")
+    parser.add_argument("--jobs", type=int, default=1, help="runs side by side (default 1)")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="these mutants only")
+    parser.add_argument("--list", action="store_true", help="print the catalogue and stop")
+    parser.add_argument("--keep", action="store_true", help="keep the patched copies")
+    args = parser.parse_args(argv)
+
+    def say(line: str) -> None:
+        print(f"mutants: {line}", flush=True)
+
+    try:
+        matrix = runner.load()
+        cells = {v.id: v.env for v in matrix.variants}
+        mutants = catalogue.load_catalogue(repo_root() / catalogue.CATALOGUE_FILE, cells)
+        order = [m.name for m in mutants]
+        if args.only:
+            unknown = set(args.only) - {m.name for m in mutants}
+            if unknown:
+                raise UserError(f"--only: no mutant named {', '.join(sorted(unknown))}")
+            mutants = [m for m in mutants if m.name in args.only]
+        if args.ci:
+            mutants = [m for m in mutants if m.ci]
+        if args.jobs < 1:
+            raise UserError("--jobs: at least 1")
+    except UserError as exc:
+        print(f"glm5-matrix: error: {exc}", file=sys.stderr)
+        return 2
+    if args.list:
+        for m in mutants:
+            print(f"{m.name:<45} {m.cell:<22} {m.area}")
+        return 0
+
+    environ = dict(os.environ)
+    out = out_dir(environ)
+    wrap = shlex.split(environ.get(WRAP_VARIABLE, ""))
+    found = hardware.detect(environ)
+    runnable: list[Mutant] = []
+    outcomes: list[Outcome] = []
+    for m in mutants:
+        check = hardware.check(matrix.variant(m.cell).cell, found)
+        if check.runnable:
+            runnable.append(m)
+        else:
+            detail = f"{check.reason}; on such a machine: {gpu_command(m)}"
+            outcomes.append(
+                Outcome(m, m.cell, verdicts.Verdict(verdicts.NOT_RUN, detail=detail), 0.0, None)
+            )
+    by_cell: dict[str, list[Mutant]] = {}
+    for m in runnable:
+        by_cell.setdefault(m.cell, []).append(m)
+    book = _Book(out, args.ci, order, outcomes)
+
+    def control(cell: str) -> Outcome:
+        selection = catalogue.control_selection(by_cell[cell])
+        return book.control(
+            _attempt(matrix, None, cell, selection, out, wrap, None, say, args.keep)
+        )
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        # Controls first (nothing waits on a control queued behind it), the mutants after them
+        # one cell at a time in turn, so that every cell gets verdicts early in a long run.
+        controls = {cell: pool.submit(control, cell) for cell in by_cell}
+
+        def mutant(m: Mutant) -> Outcome:
+            verdict = controls[m.cell].result().verdict
+            return book.mutant(
+                _attempt(matrix, m, m.cell, m.select, out, wrap, verdict, say, args.keep)
+            )
+
+        judged = [pool.submit(mutant, m) for m in _in_turn(by_cell)]
+        finished = [f.result() for f in judged]
+        controls_done = [f.result() for f in controls.values()]
+    written = book.write()
+    say(f"wrote {written}")
+    print((out / record.REPORT_FILE).read_text())
+    bad = [o for o in [*controls_done, *finished] if o.verdict.status == verdicts.INVALID]
+    # In CI a survivor is a loss of power: the subset holds mutants the matrix catches.
+    lost = [o for o in finished if args.ci and o.verdict.status == verdicts.SURVIVED]
+    return 1 if bad or lost else 0
+
+
+def _in_turn(by_cell: dict[str, list[Mutant]]) -> list[Mutant]:
+    """The cells' mutants taken one from each cell in turn."""
+    queues = [list(ms) for ms in by_cell.values()]
+    ordered: list[Mutant] = []
+    while any(queues):
+        for queue in queues:
+            if queue:
+                ordered.append(queue.pop(0))
+    return ordered
+
+
+class _Book:
+    """The outcomes so far; results.json and report.md are rewritten after each one, so a long
+    run that is stopped keeps what it judged."""
+
+    def __init__(self, out: Path, ci: bool, order: list[str], outcomes: list[Outcome]) -> None:
+        self.out, self.ci, self.order = out, ci, order
+        self.controls: list[Outcome] = []
+        self.outcomes = list(outcomes)
+        self.started = time.monotonic()
+        self.lock = threading.Lock()
+        self.write()
+
+    def control(self, outcome: Outcome) -> Outcome:
+        with self.lock:
+            self.controls.append(outcome)
+            self.write()
+        return outcome
+
+    def mutant(self, outcome: Outcome) -> Outcome:
+        with self.lock:
+            self.outcomes.append(outcome)
+            self.write()
+        return outcome
+
+    def write(self) -> Path:
+        return record.write(
+            self.out,
+            self.controls,
+            self.outcomes,
+            time.monotonic() - self.started,
+            ci=self.ci,
+            order=self.order,
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
