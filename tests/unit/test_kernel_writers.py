@@ -63,7 +63,7 @@ for name in ("_kernel.ttir", "_kernel.cubin", "_kernel.json"):
     os.replace(os.path.join(temp, name), os.path.join(kernel, name))
     os.removedirs(temp)
 open(os.path.join(go + "." + role), "w").close()
-""".replace("MODULES", MODULES).replace("HOLD", "1.0")
+""".replace("MODULES", MODULES).replace("HOLD", "3.0")
 
 
 def files_of(role: str) -> dict[str, list[str]]:
