@@ -32,27 +32,37 @@ def _stat(pid: int) -> list[str] | None:
         return None
 
 
+# The smallest engine the LLM() reproductions start on the tiny hybrid (vLLM's CPU build).
+SMALL_ENGINE = {
+    "skip_tokenizer_init": True,
+    "enforce_eager": True,
+    "max_model_len": 512,
+    "max_num_seqs": 2,
+    "kv_cache_memory_bytes": 256 << 20,
+}
+
+
 def _pids() -> list[int]:
     return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
 
 
-def group(pgid: int) -> list[int]:
-    """Live (not zombie) members of process group `pgid`."""
+def _live(field: int, value: int) -> list[int]:
+    """Live (not zombie) processes whose /proc stat field `field` (after the name) is `value`."""
     found = []
     for pid in _pids():
         fields = _stat(pid)
-        if fields is not None and int(fields[2]) == pgid and fields[0] != "Z":
+        if fields is not None and int(fields[field]) == value and fields[0] != "Z":
             found.append(pid)
     return found
 
 
+def group(pgid: int) -> list[int]:
+    """Live (not zombie) members of process group `pgid`."""
+    return _live(2, pgid)
+
+
 def children(pid: int) -> list[int]:
-    found = []
-    for child in _pids():
-        fields = _stat(child)
-        if fields is not None and int(fields[1]) == pid and fields[0] != "Z":
-            found.append(child)
-    return found
+    return _live(1, pid)
 
 
 def descendants(pid: int) -> list[int]:

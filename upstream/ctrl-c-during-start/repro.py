@@ -66,14 +66,7 @@ def run_subject(model: str, delay: float, wait: float) -> int:
     started = time.monotonic()
     threading.Thread(target=interrupt_while_waiting, daemon=True).start()
     try:
-        llm = LLM(
-            model=model,
-            skip_tokenizer_init=True,
-            enforce_eager=True,
-            max_model_len=512,
-            max_num_seqs=2,
-            kv_cache_memory_bytes=256 << 20,
-        )
+        llm = LLM(model=model, **subject.SMALL_ENGINE)
     except KeyboardInterrupt:
         sent["ended"] = time.monotonic()
         if "at" not in sent:

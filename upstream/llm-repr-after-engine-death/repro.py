@@ -33,14 +33,7 @@ import subject
 def run_subject(model: str, wait: float, workaround: bool) -> int:
     from vllm import LLM
 
-    llm = LLM(
-        model=model,
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        max_model_len=512,
-        max_num_seqs=2,
-        kv_cache_memory_bytes=256 << 20,
-    )
+    llm = LLM(model=model, **subject.SMALL_ENGINE)
     if workaround:  # what the harness does (glm5_matrix/engines/client.py)
         llm._cached_repr = f"LLM(model={model!r})"
     cores = [
