@@ -13,6 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from glm5_matrix.verdicts.transfers import differing_states
+
 
 @dataclass(frozen=True)
 class Served:
@@ -70,18 +72,12 @@ def check_served(
             problems.append(
                 f"{layer}: the kernel reads block {block}, the harness located {entry['blocks'][layer]}"
             )
-    differing = []
-    states = 0
-    for layer in sorted(set(checkpoint) & set(digests)):
-        ours, theirs = tuple(checkpoint[layer]), tuple(digests[layer])
-        states += len(ours)
-        if ours != theirs:
-            bad = [i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b]
-            differing.append(f"{layer} state(s) {bad}")
+    states, differing = differing_states(checkpoint, digests)
     if differing:
+        shown = "; ".join(f"{layer} state(s) {bad}" for layer, bad in differing[:6])
         problems.append(
             f"{len(differing)} of {len(checkpoint)} layer(s) start from other bytes than the "
-            f"checkpoint: {'; '.join(differing[:6])}"
+            f"checkpoint: {shown}"
         )
     if problems:
         raise AssertionError(

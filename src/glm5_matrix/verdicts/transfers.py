@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 # vLLM's block pool keeps block 0 as the null block: a table entry that holds nothing (a Mamba
 # group's slots outside the blocks it keeps state in, for instance).
@@ -138,6 +139,24 @@ class Copied:
         )
 
 
+def differing_states(
+    expected: Mapping[Any, Sequence[str]], got: Mapping[Any, Sequence[str]]
+) -> tuple[int, list[tuple[Any, list[int]]]]:
+    """Over the keys both hold: how many state digests `expected` has, and each key whose
+    digests differ with the indices that do (-1: one holds more states than the other)."""
+    differing = []
+    states = 0
+    for key in sorted(set(expected) & set(got)):
+        ours, theirs = tuple(expected[key]), tuple(got[key])
+        states += len(ours)
+        if ours != theirs:
+            bad = [i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b]
+            if len(ours) != len(theirs):
+                bad.append(-1)
+            differing.append((key, bad))
+    return states, differing
+
+
 def check_copied(
     sent: Mapping[PageKey, Sequence[str]],
     received: Mapping[PageKey, Sequence[str]],
@@ -154,16 +173,7 @@ def check_copied(
         problems.append(f"{len(missing)} page(s) never {names[1]}: {missing[:4]}")
     if extra:
         problems.append(f"{len(extra)} page(s) {names[1]} that were not {names[0]}: {extra[:4]}")
-    differing = []
-    states = 0
-    for key in sorted(set(sent) & set(received)):
-        ours, theirs = tuple(sent[key]), tuple(received[key])
-        states += len(ours)
-        if ours != theirs:
-            bad = [i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b]
-            if len(ours) != len(theirs):
-                bad.append(-1)
-            differing.append((key, bad))
+    states, differing = differing_states(sent, received)
     if differing:
         shown = "; ".join(
             f"group {g} block {p} layer {layer} state(s) {bad}"
