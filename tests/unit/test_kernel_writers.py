@@ -293,3 +293,88 @@ def test_a_process_in_the_cells_cgroup_is_the_cells(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(writers.processes, "start_time", lambda pid: 5)
     cell = writers.Cell(root=99, domain=domain)
     assert [cell.member(pid) for pid in (111, 112, 113, 114)] == [True, True, False, False]
+
+
+# --- Triton's puts made before their folder was watched ------------------------------------------
+
+# Triton's put (triton/runtime/cache.py), stopped after the rename: its temporary folder
+# tmp.pid_<PID>_<uuid> is still there, the kernel file already in <hash>/, until GO exists.
+PUT = r"""
+import os, sys, time, uuid
+kernel, ready, go = sys.argv[1:4]
+os.makedirs(kernel, exist_ok=True)
+temp = os.path.join(kernel, f"tmp.pid_{os.getpid()}_{uuid.uuid4()}")
+os.makedirs(temp)
+with open(os.path.join(temp, "_kernel.cubin"), "wb") as out:
+    out.write(b"cubin")
+os.replace(os.path.join(temp, "_kernel.cubin"), os.path.join(kernel, "_kernel.cubin"))
+open(ready, "w").close()
+deadline = time.monotonic() + 30
+while not os.path.exists(go) and time.monotonic() < deadline:
+    time.sleep(0.01)
+os.removedirs(temp)
+"""
+
+
+def start_put(
+    tmp_path: Path, kernel: Path, tag: str = "put"
+) -> tuple[subprocess.Popen[bytes], Path]:
+    """A process that makes `kernel` and a put in it, and holds the put's temporary folder."""
+    ready, go = tmp_path / f"{tag}.ready", tmp_path / f"{tag}.go"
+    put = subprocess.Popen([sys.executable, "-c", PUT, str(kernel), str(ready), str(go)])
+    deadline = time.monotonic() + 30
+    while not ready.exists():
+        assert put.poll() is None and time.monotonic() < deadline, "the put did not happen"
+        time.sleep(0.01)
+    return put, go
+
+
+def finish(put: subprocess.Popen[bytes], go: Path) -> None:
+    go.touch()
+    assert put.wait(timeout=30) == 0
+
+
+@pytest.fixture
+def triton(tmp_path: Path) -> Path:
+    folder = tmp_path / "triton"
+    folder.mkdir()
+    return folder
+
+
+def test_a_put_under_way_when_the_watch_starts_names_its_writer(
+    tmp_path: Path, triton: Path
+) -> None:
+    """<hash>/ and its put exist before the watch: the watch's first scan finds the put's
+    temporary folder (a watch that only listens for what comes next misses it)."""
+    put, go = start_put(tmp_path, triton / "HASH")
+    inotify = writers._Inotify({"triton": triton})
+    try:
+        assert inotify.fd >= 0
+        assert inotify.writers() == [(put.pid, "HASH")]
+        assert inotify.writers() == []  # said once
+    finally:
+        inotify.close()
+        finish(put, go)
+
+
+def test_a_put_made_before_its_new_folder_was_watched_names_its_writer(
+    tmp_path: Path, triton: Path
+) -> None:
+    """The race of a watch added on an event: <hash>/ and its put are made after the watch on
+    Triton's folder started but before its event was read (a listener that was not scheduled in
+    time). Reading the event watches <hash>/ and scans it: the put is found."""
+    inotify = writers._Inotify({"triton": triton})
+    try:
+        put, go = start_put(tmp_path, triton / "LATE")  # the listener has read nothing yet
+        try:
+            assert inotify.writers() == [(put.pid, "LATE")]
+        finally:
+            finish(put, go)
+        # From here on <hash>/ is watched: a later put in it is an event.
+        again, go_again = start_put(tmp_path, triton / "LATE", "again")
+        try:
+            assert inotify.writers() == [(again.pid, "LATE")]
+        finally:
+            finish(again, go_again)
+    finally:
+        inotify.close()

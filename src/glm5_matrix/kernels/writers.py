@@ -19,11 +19,14 @@ every process it may read in /proc:
 - and, through inotify on Triton's folder and each of its <hash>/ folders (a new one watched
   as soon as its event is read, in a thread of its own), Triton's temporary folders, which
   carry the writer's pid in their name (`tmp.pid_<PID>_<uuid>`, triton/runtime/cache.py): a
-  Triton kernel is written in microseconds, too fast to be seen open.
+  Triton kernel is written in microseconds, too fast to be seen open. Each folder is scanned
+  right after its watch is added, so a put made in it before (the watch started during a put,
+  or a listener not scheduled between the folder's event and the add) is found; a put that
+  ended before the scan leaves no pid. One put seen in a <hash>/ names the writer of all of it.
 
 Short in-process writes with no pid in a name stay unseen: DeepGEMM's NVRTC mode, Inductor's
-and vLLM's own files, the CUDA driver's cache, and a Triton kernel whose whole compile ended
-before its new <hash>/ folder was watched (milliseconds).
+and vLLM's own files, the CUDA driver's cache, and a Triton kernel whose every put ended before
+its <hash>/ folder was scanned.
 
 A sighting in a kernel's own folder (Triton's <hash>/, FlashInfer's cached_ops/<module>/,
 DeepGEMM's cache/<kernel>/, TileLang's kernels/<key>/, else the file's folder) names the writer of
@@ -212,6 +215,7 @@ class _Inotify:
     def __init__(self, folders: Mapping[str, Path]) -> None:
         self.fd = -1
         self.watches: dict[int, str] = {}  # watch -> relative folder ("" for the top level)
+        self.found: list[tuple[int, str]] = []  # (pid, <hash>) found by a scan, not yet returned
         folder = folders.get("triton")
         if folder is None:
             return
@@ -223,27 +227,36 @@ class _Inotify:
             return
         self.root = folder
         self._add("")
-        with contextlib.suppress(OSError):
-            for child in os.scandir(folder):
-                if child.is_dir(follow_symlinks=False) and not kernel_cache.is_transient(
-                    child.name
-                ):
-                    self._add(child.name)
 
     def _add(self, relative: str) -> None:
+        """Watch a folder, then scan what it holds already: whatever was made in it between its
+        own creation and this watch (a put under way when the watch starts, or made before the
+        listener read the folder's event) is found as if an event had come. At the top level
+        each <hash>/ found is watched (and scanned) in turn; in a <hash>/ each temporary folder
+        found names its writer. A put that ended before the scan (its temporary folder already
+        removed) leaves no pid: its files are the unseen's (see attribute())."""
         path = self.root / relative if relative else self.root
         wd = int(self.libc.inotify_add_watch(self.fd, os.fsencode(path), _IN_CREATE | _IN_MOVED_TO))
-        if wd >= 0:
-            self.watches[wd] = relative
+        if wd < 0:
+            return
+        self.watches[wd] = relative
+        with contextlib.suppress(OSError):
+            for child in os.scandir(path):
+                if not child.is_dir(follow_symlinks=False):
+                    continue
+                match = _TRITON_TEMP.match(child.name)
+                if relative and match:
+                    self.found.append((int(match.group(1)), relative))
+                elif not relative and not kernel_cache.is_transient(child.name):
+                    self._add(child.name)
 
     def writers(self) -> list[tuple[int, str]]:
         """(pid, <hash>) of each Triton temporary folder made since the last call."""
-        found: list[tuple[int, str]] = []
         while self.fd >= 0:
             try:
                 data = os.read(self.fd, 65536)
             except OSError:  # BlockingIOError: nothing more to read
-                return found
+                break
             offset = 0
             while offset + 16 <= len(data):
                 wd, mask, _cookie, size = struct.unpack_from("iIII", data, offset)
@@ -253,15 +266,11 @@ class _Inotify:
                 if where is None:
                     continue
                 match = _TRITON_TEMP.match(name)
-                if where == "" and mask & _IN_ISDIR and not match:
-                    self._add(name)
-                    with contextlib.suppress(OSError):  # a put already under way
-                        for child in os.scandir(self.root / name):
-                            early = _TRITON_TEMP.match(child.name)
-                            if early:
-                                found.append((int(early.group(1)), name))
+                if where == "" and mask & _IN_ISDIR and not kernel_cache.is_transient(name):
+                    self._add(name)  # and what it holds already
                 elif where and match:
-                    found.append((int(match.group(1)), where))
+                    self.found.append((int(match.group(1)), where))
+        found, self.found = self.found, []
         return found
 
     def close(self) -> None:
