@@ -104,7 +104,7 @@ os.makedirs(os.path.dirname(path), exist_ok=True)
 with open(path, "wb") as out:  # a compile in place, as ninja's nvcc writes an object
     out.write(b"half")
     out.flush()
-    time.sleep(1.5)
+    time.sleep(3.0)
     out.write(b"rest")
 open(path + ".done", "w").close()
 '''
@@ -130,7 +130,7 @@ def test_compiles_itself_while_another_process_compiles():
     with path.open("wb") as out:  # held open for writing long enough to be seen
         out.write(b"half")
         out.flush()
-        time.sleep(1.5)
+        time.sleep(3.0)
         out.write(b"rest")
 """
 
