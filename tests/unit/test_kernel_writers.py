@@ -133,14 +133,12 @@ def run_writers(
     pid of each role."""
     go = cache.parent / "go"
     script = str(cache.parent / "writer.py")
+    pids, own = {}, None
+    if "stranger" in roles:  # re-parented away from us before the watch's first look
+        pids["stranger"] = start_stranger([sys.executable, script, str(cache), "stranger", str(go)])
     before = kernel_cache.snapshot()
     watch = writers.Watch(cell=cell or writers.Cell(domain={}), poll=0.05).start()
-    pids, own = {}, None
     try:
-        if "stranger" in roles:
-            pids["stranger"] = start_stranger(
-                [sys.executable, script, str(cache), "stranger", str(go)]
-            )
         if "cell" in roles:
             own = subprocess.Popen([sys.executable, script, str(cache), "cell", str(go)])
             pids["cell"] = own.pid
@@ -236,9 +234,6 @@ def test_control_taking_every_process_for_the_cells_blames_the_stranger(cache: P
 UNSEEN_WRITER = r"""
 import importlib.util, os, sys, time
 how, written, existing, done = sys.argv[1:5]
-os.makedirs(os.path.dirname(written), exist_ok=True)
-with open(written, "wb") as out:
-    out.write(b"compiled")
 held = None
 if how == "open":
     held = open(existing, "rb")
@@ -248,6 +243,13 @@ elif how == "mapped":  # a module loaded from the cache, as FlashInfer loads its
     spec.loader.exec_module(held)
 elif how == "cwd":
     os.chdir(os.path.dirname(existing))
+open(done + ".ready", "w").close()
+deadline = time.monotonic() + 30
+while not os.path.exists(done + ".go") and time.monotonic() < deadline:
+    time.sleep(0.01)
+os.makedirs(os.path.dirname(written), exist_ok=True)
+with open(written, "wb") as out:
+    out.write(b"compiled")
 time.sleep(HOLD)
 open(done, "w").close()
 """.replace("HOLD", "3.0")
@@ -277,15 +279,22 @@ def run_unseen(
             env.pop(name, None)
     command = [sys.executable, "-c", UNSEEN_WRITER, how, str(triton / "NEW" / "k.cubin")]
     command += [str(existing), str(done)]
+    # The writer is set up (and a stranger re-parented away from us) before the window opens:
+    # the watch's first look sees it as it stays.
+    own = None
+    if stranger:
+        pid = start_stranger(command, env)
+    else:
+        own = subprocess.Popen(command, env=env)
+        pid = own.pid
+    deadline = time.monotonic() + 30
+    while not Path(f"{done}.ready").exists():
+        assert time.monotonic() < deadline, "the writer did not start"
+        time.sleep(0.01)
     before = kernel_cache.snapshot()
     watch = watch_class(cell=writers.Cell(domain={}), poll=0.05).start()
-    own = None
     try:
-        if stranger:
-            pid = start_stranger(command, env)
-        else:
-            own = subprocess.Popen(command, env=env)
-            pid = own.pid
+        Path(f"{done}.go").touch()
         deadline = time.monotonic() + 60
         while not done.exists():
             assert time.monotonic() < deadline, "the writer did not finish"
