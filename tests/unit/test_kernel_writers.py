@@ -175,9 +175,20 @@ def test_two_processes_on_one_cache_only_the_cells_files_count(
     cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     writes, pids = run_writers(cache, ("cell", "stranger"))
-    assert by_writer(writes) == {CELL: files_of("cell"), OTHER: files_of("stranger")}
+    # The stranger's Triton puts may all end before their folder is scanned on a loaded box
+    # (1 of 8 runs at load 13): then they are unseen, and still not counted beside it.
+    late = {
+        OTHER: {"flashinfer": files_of("stranger")["flashinfer"]},
+        UNSEEN: {"triton": files_of("stranger")["triton"]},
+    }
+    seen = by_writer(writes)
+    assert seen == {CELL: files_of("cell"), OTHER: files_of("stranger")} or seen == {
+        CELL: files_of("cell"),
+        **late,
+    }
     assert not writers.Cell(domain={}).member(pids["stranger"])
-    for write in writes:  # the writer scripts, or the compilers they started (their children)
+    assert not any(w.counted for w in writes if w.writer == UNSEEN)
+    for write in [w for w in writes if w.writer != UNSEEN]:  # the scripts, or their compilers
         assert write.pids and write.counted == (write.writer == CELL)
         assert pids["cell" if write.writer == OTHER else "stranger"] not in write.pids
         if write.path.endswith(".cuda.o"):  # written in place by the script itself
@@ -192,7 +203,9 @@ def test_two_processes_on_one_cache_only_the_cells_files_count(
     text = str(refused.value)
     assert "flashinfer: 3 file(s)" in text and "triton: 3 file(s)" in text
     assert "sampling" in text and "fused_moe_90" not in text
-    assert "6 written by process(es) outside the cell (" in text and str(pids["stranger"]) in text
+    outside = "6" if seen == {CELL: files_of("cell"), OTHER: files_of("stranger")} else "3"
+    assert f"{outside} written by process(es) outside the cell (" in text
+    assert str(pids["stranger"]) in text
 
 
 def test_a_stranger_alone_never_fails_the_cell(
