@@ -96,41 +96,55 @@ def test_strict_turns_the_guard_on(
 STRANGER_SUITE = """
 import os, subprocess, sys, time
 from pathlib import Path
+import pytest
 
 WRITE = '''
 import os, sys, time
-path = sys.argv[1]
+path, go = sys.argv[1], sys.argv[2]
+deadline = time.monotonic() + 30
+while not os.path.exists(go) and time.monotonic() < deadline:
+    time.sleep(0.01)
 os.makedirs(os.path.dirname(path), exist_ok=True)
 with open(path, "wb") as out:  # a compile in place, as ninja's nvcc writes an object
     out.write(b"half")
     out.flush()
-    time.sleep(1.5)
+    time.sleep(3.0)
     out.write(b"rest")
 open(path + ".done", "w").close()
 '''
 
-def stranger(relative):
-    # No descendant of this process: started in a session of its own by a launcher that exits.
-    path = os.path.join(os.environ["TRITON_CACHE_DIR"], relative)
+@pytest.fixture
+def stranger(request):
+    # No descendant of this process: started in a session of its own by a launcher that exits,
+    # in the setup phase, so that it is re-parented away before the call's watch first looks.
+    cache = os.environ["TRITON_CACHE_DIR"]
+    path = os.path.join(cache, "STRANGER_" + request.node.name, "_kernel.cubin")
+    go = os.path.join(os.path.dirname(cache), request.node.name + ".go")
     launcher = ("import subprocess, sys; subprocess.Popen(sys.argv[1:], start_new_session=True,"
                 " stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)")
-    subprocess.run([sys.executable, "-c", launcher, sys.executable, "-c", WRITE, path], check=True)
-    deadline = time.monotonic() + 30
-    while not os.path.exists(path + ".done"):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    subprocess.run([sys.executable, "-c", launcher, sys.executable, "-c", WRITE, path, go],
+                   check=True)
 
-def test_while_another_process_compiles():
-    stranger("STRANGER/_kernel.cubin")
+    def compile():
+        Path(go).touch()
+        deadline = time.monotonic() + 30
+        while not os.path.exists(path + ".done"):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
 
-def test_compiles_itself_while_another_process_compiles():
-    stranger("STRANGER2/_kernel.cubin")
+    return compile
+
+def test_while_another_process_compiles(stranger):
+    stranger()
+
+def test_compiles_itself_while_another_process_compiles(stranger):
+    stranger()
     path = Path(os.environ["TRITON_CACHE_DIR"]) / "OWN/_own.cubin"
     path.parent.mkdir(parents=True)
     with path.open("wb") as out:  # held open for writing long enough to be seen
         out.write(b"half")
         out.flush()
-        time.sleep(1.5)
+        time.sleep(3.0)
         out.write(b"rest")
 """
 

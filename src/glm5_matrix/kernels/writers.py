@@ -19,29 +19,50 @@ every process it may read in /proc:
 - and, through inotify on Triton's folder and each of its <hash>/ folders (a new one watched
   as soon as its event is read, in a thread of its own), Triton's temporary folders, which
   carry the writer's pid in their name (`tmp.pid_<PID>_<uuid>`, triton/runtime/cache.py): a
-  Triton kernel is written in microseconds, too fast to be seen open.
+  Triton kernel is written in microseconds, too fast to be seen open. Each folder is scanned
+  right after its watch is added, so a put made in it before (the watch started during a put,
+  or a listener not scheduled between the folder's event and the add) is found; a put that
+  ended before the scan leaves no pid. One put seen in a <hash>/ names the writer of all of it.
 
 Short in-process writes with no pid in a name stay unseen: DeepGEMM's NVRTC mode, Inductor's
-and vLLM's own files, the CUDA driver's cache, and a Triton kernel whose whole compile ended
-before its new <hash>/ folder was watched (milliseconds).
+and vLLM's own files, the CUDA driver's cache, and a Triton kernel whose every put ended before
+its <hash>/ folder was scanned.
 
 A sighting in a kernel's own folder (Triton's <hash>/, FlashInfer's cached_ops/<module>/,
 DeepGEMM's cache/<kernel>/, TileLang's kernels/<key>/, else the file's folder) names the writer of
 the files there; one in a temporary folder (the libraries' tmp/, .staging, tmp.pid_*) names a
 writer of that library only. Each process is the cell's when it is this process, one of its
 descendants, or a member of the cell's kill-domain cgroup (glm5_matrix.machine.kill_domain),
-decided when it is first seen (an orphan stays in the cgroup).
+decided when it is first seen (an orphan stays in the cell's cgroup); a writer gone before it
+was first seen is nobody's known.
+
+Each look also notes every process outside the cell (its ancestors aside: nox, a shell, which
+wait for it) that could have written the cache unseen: one that has a file of it open (for
+reading too), mapped (/proc/PID/maps, read at its first look and every MAPS_EVERY looks: a
+loaded module stays mapped for the process's life), or its working folder in it, or that was
+started pointed at it (a library's variable, or GLM5_MATRIX_KERNEL_CACHE_DIR, in
+/proc/PID/environ, read once: how every process of another cell, or a build by hand in the
+same cache, is started). A process lives for seconds where its writes take microseconds, so it
+is seen where its writes are not.
 
 Each file written in the window is then (attribute()):
 
 - "cell": a process of the cell was seen writing its kernel's folder, or, with nothing seen
-  there, the only writers seen in its library were the cell's: counted;
+  there, the only writers seen in its library's temporary files were the cell's: counted;
 - "other": only processes outside the cell were seen writing there: never counted;
-- "unseen": nobody was seen (a write shorter than the wait between two looks, POLL_S and up to
-  MAX_WAIT_S plus a look on a busy machine, or by a process this user may not read). Counted when no process outside the cell was seen writing the cache
-  at all in the window (then the cell is the only writer there was to see), and not counted,
-  said as such, when one was: a guess either way would blame the cell for another's file or
-  let its own compile pass, and another process must never fail the cell.
+- "unseen": no writer known. Counted only when no process outside the cell was seen in the
+  cache at all in the window, writing or able to (then the cell's processes are the only ones
+  that could have written it); else not counted, said so with those processes. Another process
+  never fails the cell: its unseen write is beside it, seen as able to write. The price: an
+  unseen write of the cell's own (a short in-process one) is not counted while another process
+  is in the cache, e.g. under `nox -j N` (the cell's compiles through a compiler, ninja's or
+  FlashInfer's, DeepGEMM's nvcc, TileLang's, and Triton's puts, are seen and still count).
+
+A use of a kernel by the cell (its module mapped) is not taken as the cell's write: a cell that
+waited on FlashInfer's lock while another process built the module then loads it; and Triton
+loads its cubins from memory (cuModuleLoadData, triton/backends/nvidia/driver.c), never mapped,
+so a use would not find its compiles anyway. Processes of other users cannot be read; they
+cannot write this user's cache (root aside).
 """
 
 from __future__ import annotations
@@ -63,6 +84,7 @@ from glm5_matrix.machine import kill_domain, processes
 
 POLL_S = 0.1
 MAX_WAIT_S = 0.4  # the longest wait between looks on a busy machine
+MAPS_EVERY = 10  # a process outside the cell has its mappings read every this many looks
 COMMAND_SHOWN = 120  # characters of a writer's command line kept
 CELL, OTHER, UNSEEN = "cell", "other", "unseen"
 # Triton's temporary folder for one put (triton/runtime/cache.py: f"tmp.pid_{pid}_{rnd_id}").
@@ -75,15 +97,17 @@ _ACCMODE, _O_WRONLY, _O_RDWR = 0o3, 0o1, 0o2
 
 @dataclass(frozen=True)
 class Sighting:
-    """A process seen writing into a library's cache: in one kernel's folder (`entry`), or in
-    the library's temporary files (`entry` None)."""
+    """A process seen writing into a library's cache (`writes`), or, for a process outside the
+    cell, seen able to (using the cache or started pointed at it): in one kernel's folder
+    (`entry`), or in the library's temporary files or anywhere in it (`entry` None)."""
 
     pid: int
-    member: bool  # one of the cell's processes
+    member: bool | None  # one of the cell's processes; None: gone before it was ever seen
     command: str
     library: str
     entry: str | None
-    how: str  # "open for writing", "output of its command line", "triton temp folder"
+    how: str  # "open for writing", "output of its command line", "triton temp folder", ...
+    writes: bool = True
 
 
 @dataclass(frozen=True)
@@ -94,8 +118,9 @@ class FileWrite:
     path: str
     writer: str  # CELL, OTHER or UNSEEN
     counted: bool
-    pids: tuple[int, ...] = ()
+    pids: tuple[int, ...] = ()  # the writers seen (none for UNSEEN)
     command: str | None = None
+    why: str = ""  # for UNSEEN: why it counts or not, naming the processes outside the cell
 
     def record(self) -> dict[str, object]:
         return {
@@ -105,6 +130,7 @@ class FileWrite:
             "counted": self.counted,
             "pids": list(self.pids),
             "command": self.command,
+            "why": self.why,
         }
 
 
@@ -212,6 +238,7 @@ class _Inotify:
     def __init__(self, folders: Mapping[str, Path]) -> None:
         self.fd = -1
         self.watches: dict[int, str] = {}  # watch -> relative folder ("" for the top level)
+        self.found: list[tuple[int, str]] = []  # (pid, <hash>) found by a scan, not yet returned
         folder = folders.get("triton")
         if folder is None:
             return
@@ -223,27 +250,36 @@ class _Inotify:
             return
         self.root = folder
         self._add("")
-        with contextlib.suppress(OSError):
-            for child in os.scandir(folder):
-                if child.is_dir(follow_symlinks=False) and not kernel_cache.is_transient(
-                    child.name
-                ):
-                    self._add(child.name)
 
     def _add(self, relative: str) -> None:
+        """Watch a folder, then scan what it holds already: whatever was made in it between its
+        own creation and this watch (a put under way when the watch starts, or made before the
+        listener read the folder's event) is found as if an event had come. At the top level
+        each <hash>/ found is watched (and scanned) in turn; in a <hash>/ each temporary folder
+        found names its writer. A put that ended before the scan (its temporary folder already
+        removed) leaves no pid: its files are the unseen's (see attribute())."""
         path = self.root / relative if relative else self.root
         wd = int(self.libc.inotify_add_watch(self.fd, os.fsencode(path), _IN_CREATE | _IN_MOVED_TO))
-        if wd >= 0:
-            self.watches[wd] = relative
+        if wd < 0:
+            return
+        self.watches[wd] = relative
+        with contextlib.suppress(OSError):
+            for child in os.scandir(path):
+                if not child.is_dir(follow_symlinks=False):
+                    continue
+                match = _TRITON_TEMP.match(child.name)
+                if relative and match:
+                    self.found.append((int(match.group(1)), relative))
+                elif not relative and not kernel_cache.is_transient(child.name):
+                    self._add(child.name)
 
     def writers(self) -> list[tuple[int, str]]:
         """(pid, <hash>) of each Triton temporary folder made since the last call."""
-        found: list[tuple[int, str]] = []
         while self.fd >= 0:
             try:
                 data = os.read(self.fd, 65536)
             except OSError:  # BlockingIOError: nothing more to read
-                return found
+                break
             offset = 0
             while offset + 16 <= len(data):
                 wd, mask, _cookie, size = struct.unpack_from("iIII", data, offset)
@@ -253,15 +289,11 @@ class _Inotify:
                 if where is None:
                     continue
                 match = _TRITON_TEMP.match(name)
-                if where == "" and mask & _IN_ISDIR and not match:
-                    self._add(name)
-                    with contextlib.suppress(OSError):  # a put already under way
-                        for child in os.scandir(self.root / name):
-                            early = _TRITON_TEMP.match(child.name)
-                            if early:
-                                found.append((int(early.group(1)), name))
+                if where == "" and mask & _IN_ISDIR and not kernel_cache.is_transient(name):
+                    self._add(name)  # and what it holds already
                 elif where and match:
-                    found.append((int(match.group(1)), where))
+                    self.found.append((int(match.group(1)), where))
+        found, self.found = self.found, []
         return found
 
     def close(self) -> None:
@@ -307,6 +339,64 @@ def _outputs(pid: int) -> list[str]:
     return [os.path.normpath(p) for p in found]
 
 
+def _ancestors(pid: int) -> set[int]:
+    """The ancestors of `pid` (nox, a shell: they wait for the cell, they write no kernel)."""
+    found: set[int] = set()
+    stat = processes.proc_stat(pid)
+    while stat is not None and stat[1] > 1 and stat[1] not in found:
+        found.add(stat[1])
+        stat = processes.proc_stat(stat[1])
+    return found
+
+
+_POINTERS = (*(lib.variable for lib in kernel_cache.LIBRARIES), kernel_cache.ACTIVE_VARIABLE)
+
+
+def _pointed_at(pid: int, folders: Mapping[str, Path]) -> list[str]:
+    """The libraries whose watched folder the environment `pid` started with points at: a
+    library's variable naming it or a folder above it, or the kernel cache's key folder."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return []
+    if not any(name.encode() in raw for name in _POINTERS):  # most processes
+        return []
+    variables = {lib.variable: lib.name for lib in kernel_cache.LIBRARIES}
+    found = []
+    for item in raw.split(b"\0"):
+        name, _, value = os.fsdecode(item).partition("=")
+        if name not in _POINTERS or not value:
+            continue
+        pointed = os.path.realpath(value)
+        for library, folder in folders.items():
+            if name == kernel_cache.ACTIVE_VARIABLE:
+                hit = str(folder).startswith(pointed + os.sep)
+            else:
+                hit = variables[name] == library and (pointed + os.sep).startswith(
+                    str(folder) + os.sep
+                )
+            if hit and library not in found:
+                found.append(library)
+    return found
+
+
+def _mapped(pid: int, prefixes: tuple[str, ...]) -> list[str]:
+    """The files under `prefixes` that `pid` has mapped (/proc/PID/maps: a loaded library)."""
+    try:
+        text = Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return []
+    if not any(prefix in text for prefix in prefixes):  # most processes
+        return []
+    found = set()
+    for line in text.splitlines():
+        fields = line.split(None, 5)  # address, perms, offset, device, inode[, path]
+        path = fields[5].removesuffix(" (deleted)") if len(fields) == 6 else ""
+        if path.startswith(prefixes):
+            found.add(path)
+    return sorted(found)
+
+
 class Watch:
     """Sightings of writers into the library folders, taken every `poll` seconds in a thread
     from start() until stop() (use it as a context manager, or call stop())."""
@@ -320,12 +410,14 @@ class Watch:
         watched = kernel_cache.watched() if folders is None else folders
         self.folders = {name: Path(os.path.realpath(f)) for name, f in watched.items()}
         self.cell = cell or Cell()
+        self._ancestors = _ancestors(self.cell.root)
         self._alive: set[int] = set()  # the pids of the last look
+        self._looks = 0
         self._prefixes = tuple(str(folder) + os.sep for folder in self.folders.values())
         self.poll = poll
         self.sightings: set[Sighting] = set()
         self.unreadable: set[int] = set()  # processes whose open files this user cannot read
-        self.lost: set[int] = set()  # writers seen only after they were gone (not judged)
+        self.lost: set[int] = set()  # writers seen only after they were gone
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
@@ -391,14 +483,53 @@ class Watch:
                 return name, path[len(prefix) :]
         return None
 
-    def _saw(self, pid: int, library: str, kernel: str | None, how: str) -> None:
+    def _saw(
+        self, pid: int, library: str, kernel: str | None, how: str, writes: bool = True
+    ) -> None:
         member = self.cell.member(pid)
         with self._lock:
             if member is None:  # gone before it was ever seen: whose it was is not known
                 self.lost.add(pid)
-                return
-            command = " ".join(processes.cmdline(pid).split())[:COMMAND_SHOWN]
-            self.sightings.add(Sighting(pid, member, command, library, kernel, how))
+                command = "(gone before it was seen)"
+            else:
+                command = " ".join(processes.cmdline(pid).split())[:COMMAND_SHOWN]
+            self.sightings.add(Sighting(pid, member, command, library, kernel, how, writes))
+
+    def _able(self, pid: int, fds: list[str], first: bool) -> None:
+        """For a process outside the cell (not one of the cell's ancestors, which wait for it):
+        whether it could have written the cache unseen (see the module's doc). `fds`: its files
+        in the cache not open for writing; `first`: its first look."""
+        if self.cell.member(pid) is not False or pid in self._ancestors:
+            return
+        if first:
+            self._started_pointed(pid)
+        self._has_open(pid, fds)
+        self._works_in(pid)
+        if first or self._looks % MAPS_EVERY == 0:
+            self._has_mapped(pid)
+
+    def _started_pointed(self, pid: int) -> None:
+        for library in _pointed_at(pid, self.folders):
+            self._saw(pid, library, None, "started with the cache in its environment", False)
+
+    def _has_open(self, pid: int, fds: list[str]) -> None:
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                place = self._where(os.readlink(f"/proc/{pid}/fd/{fd}"))
+                if place is not None:
+                    self._saw(pid, place[0], entry(*place), "has a file of it open", False)
+
+    def _works_in(self, pid: int) -> None:
+        with contextlib.suppress(OSError):
+            place = self._where(os.path.join(os.readlink(f"/proc/{pid}/cwd"), "."))
+            if place is not None:
+                self._saw(pid, place[0], entry(*place), "works in it", False)
+
+    def _has_mapped(self, pid: int) -> None:
+        for path in _mapped(pid, self._prefixes):
+            place = self._where(path)
+            if place is not None:
+                self._saw(pid, place[0], entry(*place), "has a file of it mapped", False)
 
     def _read_inotify(self) -> None:
         with self._reading:
@@ -415,7 +546,8 @@ class Watch:
                 continue
             pid = int(name)
             alive.add(pid)
-            if pid not in self._alive:  # known from now on, should it write and exit soon
+            first = pid not in self._alive
+            if first:  # known from now on, should it write and exit soon
                 self.cell.member(pid)
             try:
                 fds = os.listdir(f"/proc/{pid}/fd")
@@ -424,53 +556,110 @@ class Watch:
                 fds = []
             except OSError:
                 continue
+            others = []  # its open files in the cache not open for writing
             for fd in fds:
                 try:
                     target = os.readlink(f"/proc/{pid}/fd/{fd}")
                 except OSError:
                     continue
                 place = self._where(target)
-                if place is not None and _writable(pid, fd):
+                if place is None:
+                    continue
+                if _writable(pid, fd):
                     self._saw(pid, place[0], entry(*place), "open for writing")
+                else:
+                    others.append(fd)
             for output in _outputs(pid):
                 place = self._where(output)
                 if place is not None:
                     self._saw(pid, place[0], entry(*place), "output of its command line")
+            self._able(pid, others, first)
         self._alive = alive
+        self._looks += 1
 
 
 # --- judging -------------------------------------------------------------------------------------
 
 
-def _writer(seen: list[Sighting]) -> tuple[str, tuple[int, ...], str | None]:
+def _writer(seen: list[Sighting]) -> tuple[str, tuple[int, ...], str | None] | None:
+    """Who the writers `seen` say wrote a file: the cell where one of them is the cell's,
+    another process where one of them is known to be outside it, else (only writers gone
+    before they were seen) nobody known; None with no writer."""
     own = [s for s in seen if s.member]
     if own:
         return CELL, tuple(sorted({s.pid for s in own})), own[0].command
+    outside = [s for s in seen if s.member is False]
+    if outside:
+        return OTHER, tuple(sorted({s.pid for s in outside})), outside[0].command
     if seen:
-        return OTHER, tuple(sorted({s.pid for s in seen})), seen[0].command
-    return UNSEEN, (), None
+        return UNSEEN, tuple(sorted({s.pid for s in seen})), seen[0].command
+    return None
+
+
+def _outsiders(seen: list[Sighting], shown: int = 3) -> str:
+    """The processes outside the cell that were seen in the cache (or gone before they were
+    seen), as a few words: pid (how)."""
+    by_pid: dict[int, str] = {}
+    for s in sorted(seen, key=lambda s: (s.pid, not s.writes, s.how)):
+        if s.member is not True:
+            by_pid.setdefault(s.pid, "wrote it" if s.writes else s.how)
+    listed = ", ".join(f"{pid} ({how})" for pid, how in list(by_pid.items())[:shown])
+    return listed + (f", ... {len(by_pid) - shown} more" if len(by_pid) > shown else "")
 
 
 def attribute(changed: Mapping[str, list[str]], sightings: Iterable[Sighting]) -> list[FileWrite]:
     """Who wrote each file of `changed` ({library: [relative paths]}, kernel_cache.written),
-    and whether it counts against the cell (see the module's doc). A sighting in the file's
-    kernel folder decides; without one, those in the library's temporary files decide when they
-    are all the cell's or all another's."""
+    and whether it counts against the cell (see the module's doc): the writers seen in the
+    file's kernel folder decide; without one, those in the library's temporary files, where
+    they are all the cell's or all another's; without either the file is unseen, and counts only
+    when no process outside the cell was seen in the cache at all in the window."""
     seen = list(sightings)
-    stranger_seen = any(not s.member for s in seen)
+    wrote = [s for s in seen if s.writes]
+    outsiders = _outsiders(seen)
     writes = []
     for library, paths in sorted(changed.items()):
-        in_library = [s for s in seen if s.library == library]
+        in_library = [s for s in wrote if s.library == library]
         temporary = [s for s in in_library if s.entry is None]
-        mixed = len({s.member for s in temporary}) > 1
+        mixed = len({s.member is True for s in temporary}) > 1
         for path in paths:
             kernel = entry(library, path)
             there = [
                 s for s in in_library if s.entry is not None and kernel and _covers(s.entry, kernel)
             ]
-            writer, pids, command = _writer(there or ([] if mixed else temporary))
-            counted = writer == CELL or (writer == UNSEEN and not stranger_seen)
-            writes.append(FileWrite(library, path, writer, counted, pids, command))
+            found = _writer(there) or (None if mixed else _writer(temporary))
+            if found is not None and found[0] != UNSEEN:
+                writer, pids, command = found
+                writes.append(FileWrite(library, path, writer, writer == CELL, pids, command))
+            elif found is not None:  # only by processes gone before they were seen
+                writes.append(
+                    FileWrite(
+                        library,
+                        path,
+                        UNSEEN,
+                        False,
+                        why=f"written by process(es) gone before they were seen: {outsiders}",
+                    )
+                )
+            elif outsiders:
+                writes.append(
+                    FileWrite(
+                        library,
+                        path,
+                        UNSEEN,
+                        False,
+                        why=f"processes outside the cell were in the cache: {outsiders}",
+                    )
+                )
+            else:
+                writes.append(
+                    FileWrite(
+                        library,
+                        path,
+                        UNSEEN,
+                        True,
+                        why="no process outside the cell was in the cache",
+                    )
+                )
     return writes
 
 
@@ -497,9 +686,7 @@ def describe_not_counted(writes: Iterable[FileWrite], shown: int = 3) -> str:
             f"{len(by_other)} written by process(es) outside the cell "
             f"({', '.join(map(str, pids[:shown]))}: {by_other[0].command})"
         )
-    if len(left) > len(by_other):
-        parts.append(
-            f"{len(left) - len(by_other)} whose writer was not seen while another process "
-            "wrote the cache"
-        )
+    unseen = [w for w in left if w.writer != OTHER]
+    if unseen:
+        parts.append(f"{len(unseen)} whose writer was not seen ({unseen[0].why})")
     return "kernel files not counted against the cell: " + "; ".join(parts)
