@@ -113,7 +113,7 @@ def test_override_numbers_its_gpus_from_zero():
 
 # --- topology ------------------------------------------------------------------------------------
 
-TOPO = Path(__file__).parent / "data" / "nvidia-smi-topo"
+TOPO = Path(__file__).parents[1] / "data" / "nvidia-smi-topo"
 
 
 def topology(name: str) -> Topology:

@@ -23,7 +23,7 @@ from glm5_matrix.matrix.profiles import repo_root
 
 ROOT = repo_root()
 SRC = str(ROOT / "src")
-TOPO = Path(__file__).parent / "data" / "nvidia-smi-topo"
+TOPO = Path(__file__).parents[1] / "data" / "nvidia-smi-topo"
 
 
 @pytest.fixture(scope="module")
