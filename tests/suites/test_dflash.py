@@ -32,7 +32,7 @@ from glm5_matrix.models.drafters import Drafter, dflash_table, resolve_drafter
 from glm5_matrix.results.recorder import record_figure
 from glm5_matrix.verdicts import judging
 from glm5_matrix.verdicts.compare import GreedyOutput
-from glm5_matrix.verdicts.layout import LayoutPlan, plan_layout, text_config
+from glm5_matrix.models.layout import LayoutPlan, plan_layout, text_config
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("no_surviving_children")]
 

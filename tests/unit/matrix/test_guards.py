@@ -275,7 +275,7 @@ def test_both_pipelines_select_a_cell_for_every_file_it_executes(matrix):
 
     import yaml
 
-    from glm5_matrix.report import pipelines
+    from glm5_matrix.pipelines import generate as pipelines
 
     steps = {
         s["label"]: s

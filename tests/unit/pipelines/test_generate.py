@@ -1,4 +1,4 @@
-"""glm5_matrix.report.pipelines: the Buildkite pipeline and the GitHub Actions workflow generated from
+"""glm5_matrix.pipelines.generate: the Buildkite pipeline and the GitHub Actions workflow generated from
 the matrix, validated against the vendors' published schemas (check-jsonschema's vendored
 copies, no network), every cell variant exactly once with its needs, tags and timeout; and the
 validation shown rejecting a pipeline broken on purpose."""
@@ -18,7 +18,8 @@ from scaffold import run_cli
 
 from glm5_matrix.matrix.matrix import MATRIX_FILE, load_matrix
 from glm5_matrix.matrix.profiles import repo_root
-from glm5_matrix.report import pipeline_checks, pipelines
+from glm5_matrix.pipelines import checks as pipeline_checks
+from glm5_matrix.pipelines import generate as pipelines
 
 ROOT = repo_root()
 SCHEMAS = {"buildkite": "vendor.buildkite", "github": "vendor.github-workflows"}
