@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from glm5_matrix.matrix.profiles import repo_root
+from glm5_matrix.files import repo_root
 
 ROOT = repo_root()
 SRC = ROOT / "src"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from scaffold import nox_installed, run_nox
 
-from glm5_matrix.matrix.profiles import repo_root
+from glm5_matrix.files import repo_root
 
 ROOT = repo_root()
 pytestmark = nox_installed

@@ -455,7 +455,7 @@ def register(subparsers: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from glm5_matrix.matrix.profiles import repo_root
+    from glm5_matrix.files import repo_root
 
     matrix = load_matrix(args.matrix or repo_root() / MATRIX_FILE)
     if args.kind == "check":

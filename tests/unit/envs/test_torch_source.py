@@ -25,7 +25,7 @@ from scaffold import serve_http
 from glm5_matrix.envs import environments, torch_source
 from glm5_matrix.envs.torch_source import VARIABLE, TorchSource
 from glm5_matrix.errors import UserError
-from glm5_matrix.matrix.profiles import repo_root
+from glm5_matrix.files import repo_root
 
 ROOT = repo_root()
 CPU = environments.load_envs(ROOT)["cpu"]

@@ -14,8 +14,8 @@ import pytest
 from scaffold import KERNEL_KEY, run_cli
 
 from glm5_matrix.errors import UserError
+from glm5_matrix.files import repo_root
 from glm5_matrix.kernels import kernel_archive, kernel_cache
-from glm5_matrix.matrix.profiles import repo_root
 
 KEY = KERNEL_KEY
 FILES = {

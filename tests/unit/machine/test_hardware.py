@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from glm5_matrix.errors import UserError
+from glm5_matrix.files import repo_root
 from glm5_matrix.machine.hardware import (
     Topology,
     bound_by_visible,
@@ -19,7 +20,6 @@ from glm5_matrix.machine.hardware import (
     strict,
 )
 from glm5_matrix.matrix.matrix import load_matrix
-from glm5_matrix.matrix.profiles import repo_root
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,9 @@ import pytest
 from scaffold import nox_installed, run_nox
 
 from glm5_matrix.errors import UserError
+from glm5_matrix.files import repo_root
 from glm5_matrix.machine import hardware, leases
 from glm5_matrix.matrix.matrix import load_matrix
-from glm5_matrix.matrix.profiles import repo_root
 
 ROOT = repo_root()
 SRC = str(ROOT / "src")

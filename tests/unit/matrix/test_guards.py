@@ -10,9 +10,9 @@ import subprocess
 import pytest
 from scaffold import run_cli
 
+from glm5_matrix.files import repo_root
 from glm5_matrix.matrix import guards
 from glm5_matrix.matrix.matrix import MATRIX_FILE, load_matrix
-from glm5_matrix.matrix.profiles import repo_root
 
 ROOT = repo_root()
 

@@ -16,8 +16,8 @@ import pytest
 import yaml
 from scaffold import run_cli
 
+from glm5_matrix.files import repo_root
 from glm5_matrix.matrix.matrix import MATRIX_FILE, load_matrix
-from glm5_matrix.matrix.profiles import repo_root
 from glm5_matrix.pipelines import checks as pipeline_checks
 from glm5_matrix.pipelines import generate as pipelines
 

@@ -15,7 +15,7 @@ import pytest
 import results_tree
 from junitparser import JUnitXml
 
-from glm5_matrix.matrix.profiles import repo_root
+from glm5_matrix.files import repo_root
 from glm5_matrix.report import command, junit, markdown, model, page
 
 ROOT = repo_root()
