@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from glm5_matrix.errors import UserError
-from glm5_matrix.files import repo_root
 from glm5_matrix.machine.hardware import (
     Topology,
     bound_by_visible,
@@ -19,12 +18,6 @@ from glm5_matrix.machine.hardware import (
     read_topology,
     strict,
 )
-from glm5_matrix.matrix.matrix import load_matrix
-
-
-@pytest.fixture(scope="module")
-def matrix():
-    return load_matrix(repo_root() / "matrix.toml")
 
 
 @pytest.mark.parametrize(

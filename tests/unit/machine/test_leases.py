@@ -19,16 +19,10 @@ from scaffold import nox_installed, run_nox
 from glm5_matrix.errors import UserError
 from glm5_matrix.files import repo_root
 from glm5_matrix.machine import hardware, leases
-from glm5_matrix.matrix.matrix import load_matrix
 
 ROOT = repo_root()
 SRC = str(ROOT / "src")
 TOPO = Path(__file__).parents[1] / "data" / "nvidia-smi-topo"
-
-
-@pytest.fixture(scope="module")
-def matrix():
-    return load_matrix(ROOT / "matrix.toml")
 
 
 def topology(name: str) -> hardware.Topology:

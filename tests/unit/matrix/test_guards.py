@@ -12,14 +12,9 @@ from scaffold import run_cli
 
 from glm5_matrix.files import repo_root
 from glm5_matrix.matrix import guards
-from glm5_matrix.matrix.matrix import MATRIX_FILE, load_matrix
+from glm5_matrix.matrix.matrix import MATRIX_FILE
 
 ROOT = repo_root()
-
-
-@pytest.fixture(scope="module")
-def matrix():
-    return load_matrix(ROOT / MATRIX_FILE)
 
 
 @pytest.mark.parametrize(

@@ -17,17 +17,11 @@ import yaml
 from scaffold import run_cli
 
 from glm5_matrix.files import repo_root
-from glm5_matrix.matrix.matrix import MATRIX_FILE, load_matrix
 from glm5_matrix.pipelines import checks as pipeline_checks
 from glm5_matrix.pipelines import generate as pipelines
 
 ROOT = repo_root()
 SCHEMAS = {"buildkite": "vendor.buildkite", "github": "vendor.github-workflows"}
-
-
-@pytest.fixture(scope="module")
-def matrix():
-    return load_matrix(ROOT / MATRIX_FILE)
 
 
 def check_jsonschema(kind: str, path: Path) -> subprocess.CompletedProcess[str]:
