@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from scaffold import nox_installed, run_nox
+from scaffold import environ_without, nox_installed, run_nox
 
 from glm5_matrix.errors import UserError
 from glm5_matrix.files import repo_root
@@ -353,7 +353,7 @@ commands = [[{json.dumps(sys.executable)}, {json.dumps(str(script))}, "{name}"]]
 
 
 def nox(root: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("GLM5_")}
+    environ = environ_without()
     environ.update(
         GLM5_MATRIX_ROOT=str(root),
         GLM5_MATRIX_PYTHON=sys.executable,  # nothing is built

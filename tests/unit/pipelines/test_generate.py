@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from scaffold import run_cli
+from scaffold import environ_without, run_cli
 
 from glm5_matrix.files import repo_root
 from glm5_matrix.pipelines import checks as pipeline_checks
@@ -131,7 +131,7 @@ def _sessions(tmp_path: Path) -> Path:
         capture_output=True,
         text=True,
         timeout=120,
-        env={k: v for k, v in os.environ.items() if not k.startswith("GLM5_")},
+        env=environ_without(),
     )
     if listed.returncode:
         pytest.skip(f"nox is not usable here: {listed.stderr.strip()[-200:]}")
@@ -200,7 +200,7 @@ def test_nox_session_writes_the_pipeline(tmp_path):
         capture_output=True,
         text=True,
         timeout=600,
-        env={k: v for k, v in os.environ.items() if not k.startswith("GLM5_")},
+        env=environ_without(),
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert check_jsonschema("github", path).returncode == 0
