@@ -12,10 +12,10 @@ from glm5_matrix.errors import UserError
 # Each module exposes register(subparsers), which adds its subcommand(s) and sets `func`.
 _COMMAND_MODULES = (
     "glm5_matrix.checkpoints",
-    "glm5_matrix.verdicts.layout",
+    "glm5_matrix.models.layout",
     "glm5_matrix.matrix.guards",
     "glm5_matrix.report.command",
-    "glm5_matrix.report.pipelines",
+    "glm5_matrix.pipelines.generate",
     "glm5_matrix.kernels.kernel_archive",
 )
 

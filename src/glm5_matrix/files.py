@@ -25,3 +25,9 @@ def write_json_atomic(path: Path, data: Any, compact: bool = False) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(data) if compact else json.dumps(data, indent=2, sort_keys=True)
     write_atomic(path, text + "\n")
+
+
+def repo_root() -> Path:
+    """The checkout holding matrix.toml, envs/ and profiles/ (GLM5_MATRIX_ROOT overrides)."""
+    override = os.environ.get("GLM5_MATRIX_ROOT")
+    return Path(override) if override else Path(__file__).resolve().parents[2]

@@ -139,7 +139,7 @@ def _check_planned_layout(
     """GLM-5.3-Flash: {MLA latent + indexer}, the kpool tail ring, one Mamba group per KDA layer
     sharing the MLA tensor; kinds by class identity; sizes as the layout planner predicts."""
     from glm5_matrix.engines.specs import gpu_family
-    from glm5_matrix.verdicts.layout import plan_layout
+    from glm5_matrix.models.layout import plan_layout
 
     expect, planned = profile.section("expect"), profile.section("layout")
     limits = engine.scheduler_limits()

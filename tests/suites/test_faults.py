@@ -48,9 +48,9 @@ from typing import Any
 
 import pytest
 
+from glm5_matrix.files import repo_root
 from glm5_matrix.machine import kill_domain, processes, supervision
 from glm5_matrix.matrix.context import CellContext
-from glm5_matrix.matrix.profiles import repo_root
 from glm5_matrix.results import recorder
 
 POLL_S = 0.25

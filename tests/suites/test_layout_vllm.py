@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from glm5_matrix.matrix.profiles import Profile
+from glm5_matrix.models.layout import LayoutPlan, plan_layout
 from glm5_matrix.results.recorder import record_figure
-from glm5_matrix.verdicts.layout import LayoutPlan, plan_layout
 
 TPS = (1, 2, 4, 8)
 SPEC_TOKENS = (0, 1, 3, 7, 16)

@@ -22,9 +22,9 @@ from glm5_matrix.engines.engine_configs import offload_cpu_bytes, offload_spec
 from glm5_matrix.engines.prompts import with_other_tokens
 from glm5_matrix.matrix.context import CellContext
 from glm5_matrix.matrix.profiles import Profile
+from glm5_matrix.models.layout import LayoutPlan, plan_layout
 from glm5_matrix.results.recorder import record_figure
 from glm5_matrix.verdicts import chunks, compare, judging, transfers
-from glm5_matrix.verdicts.layout import LayoutPlan, plan_layout
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("no_surviving_children")]
 

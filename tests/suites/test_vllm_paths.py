@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from glm5_matrix.files import repo_root
 from glm5_matrix.matrix.matrix import MATRIX_FILE, load_matrix
-from glm5_matrix.matrix.profiles import repo_root
 from glm5_matrix.results.recorder import record_figure
 
 

@@ -1,5 +1,6 @@
 """Shared by the unit tests: no test writes into the machine's kernel cache or leaves library
-cache variables behind (engines and servers point them at the kernel cache when they start)."""
+cache variables behind (engines and servers point them at the kernel cache when they start);
+`matrix`, the checkout's matrix.toml loaded once per test module."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import os
 from collections.abc import Iterator
 
 import pytest
+
+from glm5_matrix.files import repo_root
+from glm5_matrix.matrix.matrix import MATRIX_FILE, Matrix, load_matrix
 
 
 @pytest.fixture(autouse=True)
@@ -18,3 +22,8 @@ def private_kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[N
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def matrix() -> Matrix:
+    return load_matrix(repo_root() / MATRIX_FILE)

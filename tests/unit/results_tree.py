@@ -11,9 +11,9 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from glm5_matrix.files import repo_root
 from glm5_matrix.matrix import context
 from glm5_matrix.matrix.matrix import MATRIX_FILE, Matrix, load_matrix
-from glm5_matrix.matrix.profiles import repo_root
 from glm5_matrix.results import closing
 
 ROOT = repo_root()

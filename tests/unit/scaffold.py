@@ -1,11 +1,12 @@
 """Scaffolding several unit-test files share: nox and the `glm5-matrix` CLI run in a child
 process, the kernel-cache key the kernel tests build caches for, and a threaded HTTP server
-on a free loopback port."""
+on a free loopback port, and this process's environment less the harness's own variables."""
 
 from __future__ import annotations
 
 import contextlib
 import http.server
+import os
 import subprocess
 import sys
 import threading
@@ -15,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from glm5_matrix.matrix.profiles import repo_root
+from glm5_matrix.files import repo_root
 
 ROOT = repo_root()
 SRC = ROOT / "src"
@@ -36,6 +37,13 @@ nox_installed = pytest.mark.skipif(
     subprocess.run([sys.executable, "-m", "nox", "--version"], capture_output=True).returncode,
     reason="nox is not installed in this interpreter",
 )
+
+
+def environ_without(*prefixes: str) -> dict[str, str]:
+    """os.environ less every variable named with one of `prefixes` (GLM5_ when none given):
+    a child that must see none of this run's GLM5_MATRIX_* settings."""
+    drop = prefixes or ("GLM5_",)
+    return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
 
 
 def run_nox(

@@ -21,6 +21,7 @@ ROOMS = (
     "machine",
     "verdicts",
     "report",
+    "pipelines",  # the CI pipelines generated from the matrix, and their checks
     "kernels",
     "models",
     "checkpoints",

@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from scaffold import nox_installed, run_nox
+from scaffold import environ_without, nox_installed, run_nox
 
-from glm5_matrix.matrix.profiles import repo_root
+from glm5_matrix.files import repo_root
 
 ROOT = repo_root()
 pytestmark = nox_installed
@@ -32,7 +32,7 @@ def _results_elsewhere(tmp_path: Path):
 
 
 def nox(*args: str, root: Path = ROOT, **env: str) -> subprocess.CompletedProcess[str]:
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("GLM5_")}
+    environ = environ_without()
     environ["GLM5_MATRIX_RESULTS"] = str(_RESULTS[-1])
     environ.update(env)
     return run_nox(root, args, environ, timeout=120)
@@ -150,7 +150,7 @@ def test_unreachable_torch_index_is_one_line_before_building(tmp_path):
         shutil.copytree(ROOT / "envs", tmp_path / "envs")
         cpu = tmp_path / "envs" / "cpu.toml"
         cpu.write_text(cpu.read_text().replace("https://download.pytorch.org/whl/cpu", url))
-        environ = {k: v for k, v in os.environ.items() if not k.startswith(("GLM5_", "PIP_"))}
+        environ = environ_without("GLM5_", "PIP_")
         environ.update(
             PIP_CONFIG_FILE=os.devnull,
             HOME=str(tmp_path / "home"),

@@ -8,8 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from glm5_matrix.files import write_json_atomic
-from glm5_matrix.matrix.profiles import repo_root
+from glm5_matrix.files import repo_root, write_json_atomic
 from glm5_matrix.results.recorder import scored_json
 from glm5_matrix.verdicts.compare import GreedyOutput
 

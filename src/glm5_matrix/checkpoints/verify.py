@@ -109,7 +109,7 @@ def _manifest_problems(directory: Path, hashes: dict[str, str]) -> list[str]:
 
 def _layout_lines(config: dict[str, Any], problems: list[str]) -> list[str]:
     try:
-        from glm5_matrix.verdicts.layout import plan_layout  # written alongside; optional here
+        from glm5_matrix.models.layout import plan_layout  # written alongside; optional here
     except ImportError as exc:
         return [f"KV cache groups: not computed ({exc})"]
     try:

@@ -80,7 +80,7 @@ def prefill_chunk_args(cell: CellContext, profile: Profile) -> dict[str, Any]:
             f"profile {profile.name}: [prompts] prefill_chunk_blocks needs the layout planner's "
             "[layout] table to know the block size before the engine starts"
         )
-    from glm5_matrix.verdicts.layout import plan_layout
+    from glm5_matrix.models.layout import plan_layout
 
     plan = plan_layout(profile.config(), tp=cell.tp or 1)
     return {"max_num_batched_tokens": int(blocks) * plan.block_size}
@@ -117,7 +117,7 @@ def offload_spec(cell: CellContext, profile: Profile, cpu_bytes: int) -> EngineS
 
 
 def offload_cpu_bytes(cell: CellContext, profile: Profile) -> int:
-    from glm5_matrix.verdicts.layout import plan_layout
+    from glm5_matrix.models.layout import plan_layout
 
     plan = plan_layout(profile.config(), tp=cell.tp or 1)
     return plan.offload_bytes(int(profile.section("offload")["cpu_blocks"]))

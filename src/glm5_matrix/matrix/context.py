@@ -107,8 +107,8 @@ def current() -> CellContext:
             raise UserError(f"{CONTEXT_VARIABLE}={path}: file not found") from None
     cell_id = os.environ.get(CELL_VARIABLE)
     if cell_id:
+        from glm5_matrix.files import repo_root
         from glm5_matrix.matrix.matrix import MATRIX_FILE, load_matrix
-        from glm5_matrix.matrix.profiles import repo_root
 
         variant = load_matrix(repo_root() / MATRIX_FILE).variant(cell_id)
         return for_variant(variant)

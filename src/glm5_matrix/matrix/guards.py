@@ -230,7 +230,7 @@ def register(subparsers: Any) -> None:
 
 
 def _root_and_matrix() -> tuple[Path, Matrix]:
-    from glm5_matrix.matrix.profiles import repo_root
+    from glm5_matrix.files import repo_root
 
     root = repo_root()
     return root, load_matrix(root / MATRIX_FILE)
@@ -324,7 +324,7 @@ def _derive(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from glm5_matrix.matrix.profiles import repo_root
+    from glm5_matrix.files import repo_root
 
     matrix = load_matrix(args.matrix or repo_root() / MATRIX_FILE)
     changed: list[str] = []

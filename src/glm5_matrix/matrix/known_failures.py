@@ -116,7 +116,7 @@ def _entry(path: Path, index: int, raw: Any) -> KnownFailure:
 
 
 def registry_path() -> Path:
-    from glm5_matrix.matrix.profiles import repo_root
+    from glm5_matrix.files import repo_root
 
     return repo_root() / REGISTRY_FILE
 

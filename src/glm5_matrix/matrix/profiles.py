@@ -7,19 +7,15 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from glm5_matrix.errors import UserError, load_toml
+
+# repo_root lives with the other paths; kernels/, mutants/ and upstream/ still import it from here.
+from glm5_matrix.files import repo_root as repo_root
 from glm5_matrix.matrix.profile_schema import check_profile
-
-
-def repo_root() -> Path:
-    """The checkout holding matrix.toml, envs/ and profiles/ (GLM5_MATRIX_ROOT overrides)."""
-    override = os.environ.get("GLM5_MATRIX_ROOT")
-    return Path(override) if override else Path(__file__).resolve().parents[3]
 
 
 def profiles_dir() -> Path:

@@ -32,7 +32,7 @@ from typing import Any
 from glm5_matrix.cache import ensure_folder
 from glm5_matrix.errors import UserError
 from glm5_matrix.matrix.profiles import Profile
-from glm5_matrix.verdicts.layout import text_config
+from glm5_matrix.models.layout import text_config
 
 DRAFT_VARIABLE = "GLM5_DFLASH2_DRAFT"
 DRAFT_ARCHITECTURE = "DFlash2DraftModel"

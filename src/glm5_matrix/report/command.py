@@ -71,7 +71,7 @@ def register(subparsers: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from glm5_matrix.matrix.profiles import repo_root
+    from glm5_matrix.files import repo_root
 
     results_dir = args.results or results_base(os.environ)
     out = args.output or results_dir / REPORT_DIR

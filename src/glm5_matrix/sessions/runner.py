@@ -23,12 +23,12 @@ from typing import Any
 
 from glm5_matrix.envs import environments
 from glm5_matrix.errors import UserError
-from glm5_matrix.files import write_json_atomic
+from glm5_matrix.files import repo_root, write_json_atomic
 from glm5_matrix.kernels import kernel_archive, kernel_cache
 from glm5_matrix.machine import hardware, kill_domain, leases, supervision
 from glm5_matrix.matrix import context as cell_context
 from glm5_matrix.matrix.matrix import MATRIX_FILE, Matrix, Variant, load_matrix
-from glm5_matrix.matrix.profiles import load_profile, repo_root
+from glm5_matrix.matrix.profiles import load_profile
 from glm5_matrix.models import drafters, weights
 from glm5_matrix.results import closing, executed, schema
 

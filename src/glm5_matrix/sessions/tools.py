@@ -11,7 +11,7 @@ from typing import Any
 
 from glm5_matrix.envs import environments
 from glm5_matrix.errors import UserError
-from glm5_matrix.matrix.profiles import repo_root
+from glm5_matrix.files import repo_root
 
 ENV = "harness"
 VENV = "tools"

@@ -1,3 +1,3 @@
 """Judging what the engines did: greedy outputs against each other, equivalence, figures
-against their limits, the KV layout planner and vLLM's own layout, page transfers. Pure
-where they can be: data in, a verdict out."""
+against their limits, vLLM's own KV layout against the planner's (models.layout), page
+transfers. Pure where they can be: data in, a verdict out."""

@@ -13,7 +13,7 @@ import pytest
 
 from glm5_matrix.envs import environments
 from glm5_matrix.errors import UserError
-from glm5_matrix.matrix.profiles import repo_root
+from glm5_matrix.files import repo_root
 
 ROOT = repo_root()
 

@@ -11,11 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
-from scaffold import KERNEL_KEY, run_cli
+from scaffold import KERNEL_KEY, environ_without, run_cli
 
 from glm5_matrix.errors import UserError
+from glm5_matrix.files import repo_root
 from glm5_matrix.kernels import kernel_archive, kernel_cache
-from glm5_matrix.matrix.profiles import repo_root
 
 KEY = KERNEL_KEY
 FILES = {
@@ -229,7 +229,7 @@ def test_two_imports_at_once_both_end_complete(tmp_path: Path) -> None:
 
 
 def _cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("GLM5_")}
+    environ = environ_without()
     environ.update(env)
     return run_cli("kernel-cache", *args, env=environ, timeout=120)
 

@@ -20,12 +20,12 @@ from pathlib import Path
 from urllib.parse import quote
 
 import pytest
-from scaffold import serve_http
+from scaffold import environ_without, serve_http
 
 from glm5_matrix.envs import environments, torch_source
 from glm5_matrix.envs.torch_source import VARIABLE, TorchSource
 from glm5_matrix.errors import UserError
-from glm5_matrix.matrix.profiles import repo_root
+from glm5_matrix.files import repo_root
 
 ROOT = repo_root()
 CPU = environments.load_envs(ROOT)["cpu"]
@@ -40,7 +40,7 @@ HAS_PIP = (
 
 def hidden_pip(**extra: str) -> dict[str, str]:
     """This process's environment with pip's configuration hidden (no file, no PIP_*)."""
-    environ = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "GLM5_"))}
+    environ = environ_without("PIP_", "GLM5_")
     return {**environ, "PIP_CONFIG_FILE": os.devnull, **extra}
 
 

@@ -455,13 +455,13 @@ def register(subparsers: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from glm5_matrix.matrix.profiles import repo_root
+    from glm5_matrix.files import repo_root
 
     matrix = load_matrix(args.matrix or repo_root() / MATRIX_FILE)
     if args.kind == "check":
-        from glm5_matrix.report import pipeline_checks
+        from glm5_matrix.pipelines import checks
 
-        failures = pipeline_checks.check({kind: render(kind, matrix) for kind in KINDS})
+        failures = checks.check({kind: render(kind, matrix) for kind in KINDS})
         for failure in failures:
             print(f"glm5-matrix pipeline check: {failure}", file=sys.stderr)
         return 1 if failures else 0

@@ -14,7 +14,7 @@ import pytest
 from glm5_matrix.errors import UserError
 from glm5_matrix.matrix.profiles import Profile, load_profile
 from glm5_matrix.models import drafters
-from glm5_matrix.verdicts.layout import plan_layout, text_config
+from glm5_matrix.models.layout import plan_layout, text_config
 
 PROFILE = "glm-5.3-flash-4l"
 

@@ -14,21 +14,15 @@ import time
 from pathlib import Path
 
 import pytest
-from scaffold import nox_installed, run_nox
+from scaffold import environ_without, nox_installed, run_nox
 
 from glm5_matrix.errors import UserError
+from glm5_matrix.files import repo_root
 from glm5_matrix.machine import hardware, leases
-from glm5_matrix.matrix.matrix import load_matrix
-from glm5_matrix.matrix.profiles import repo_root
 
 ROOT = repo_root()
 SRC = str(ROOT / "src")
-TOPO = Path(__file__).parent / "data" / "nvidia-smi-topo"
-
-
-@pytest.fixture(scope="module")
-def matrix():
-    return load_matrix(ROOT / "matrix.toml")
+TOPO = Path(__file__).parents[1] / "data" / "nvidia-smi-topo"
 
 
 def topology(name: str) -> hardware.Topology:
@@ -359,7 +353,7 @@ commands = [[{json.dumps(sys.executable)}, {json.dumps(str(script))}, "{name}"]]
 
 
 def nox(root: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("GLM5_")}
+    environ = environ_without()
     environ.update(
         GLM5_MATRIX_ROOT=str(root),
         GLM5_MATRIX_PYTHON=sys.executable,  # nothing is built

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from glm5_matrix.errors import UserError
+from glm5_matrix.files import repo_root
 from glm5_matrix.matrix.matrix import load_matrix
-from glm5_matrix.matrix.profiles import repo_root
 
 ROOT = repo_root()
 ENVS = {"cpu", "cuda", "harness"}

@@ -25,7 +25,7 @@ from scaffold import serve_http
 
 from glm5_matrix.engines import disagg, servers
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 
 
 @pytest.fixture(scope="module")

@@ -10,16 +10,11 @@ import subprocess
 import pytest
 from scaffold import run_cli
 
+from glm5_matrix.files import repo_root
 from glm5_matrix.matrix import guards
-from glm5_matrix.matrix.matrix import MATRIX_FILE, load_matrix
-from glm5_matrix.matrix.profiles import repo_root
+from glm5_matrix.matrix.matrix import MATRIX_FILE
 
 ROOT = repo_root()
-
-
-@pytest.fixture(scope="module")
-def matrix():
-    return load_matrix(ROOT / MATRIX_FILE)
 
 
 @pytest.mark.parametrize(
@@ -275,7 +270,7 @@ def test_both_pipelines_select_a_cell_for_every_file_it_executes(matrix):
 
     import yaml
 
-    from glm5_matrix.report import pipelines
+    from glm5_matrix.pipelines import generate as pipelines
 
     steps = {
         s["label"]: s

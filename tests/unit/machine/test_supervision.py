@@ -330,7 +330,7 @@ def test_stop_on_signals_forwards_the_first_signal_and_waits(tmp_path: Path) -> 
 
 # --- GPUs --------------------------------------------------------------------------------------
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 
 
 def _stub_smi(tmp_path: Path, apps: str) -> dict[str, str]:

@@ -11,10 +11,10 @@ import pytest
 from packaging.version import Version
 
 from glm5_matrix.errors import UserError
+from glm5_matrix.files import repo_root
 from glm5_matrix.matrix import known_failures
 from glm5_matrix.matrix.context import for_variant
 from glm5_matrix.matrix.matrix import load_matrix
-from glm5_matrix.matrix.profiles import repo_root
 
 pytest_plugins = ("pytester",)
 

@@ -1,4 +1,4 @@
-"""glm5_matrix.report.pipelines: the Buildkite pipeline and the GitHub Actions workflow generated from
+"""glm5_matrix.pipelines.generate: the Buildkite pipeline and the GitHub Actions workflow generated from
 the matrix, validated against the vendors' published schemas (check-jsonschema's vendored
 copies, no network), every cell variant exactly once with its needs, tags and timeout; and the
 validation shown rejecting a pipeline broken on purpose."""
@@ -14,19 +14,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from scaffold import run_cli
+from scaffold import environ_without, run_cli
 
-from glm5_matrix.matrix.matrix import MATRIX_FILE, load_matrix
-from glm5_matrix.matrix.profiles import repo_root
-from glm5_matrix.report import pipeline_checks, pipelines
+from glm5_matrix.files import repo_root
+from glm5_matrix.pipelines import checks as pipeline_checks
+from glm5_matrix.pipelines import generate as pipelines
 
 ROOT = repo_root()
 SCHEMAS = {"buildkite": "vendor.buildkite", "github": "vendor.github-workflows"}
-
-
-@pytest.fixture(scope="module")
-def matrix():
-    return load_matrix(ROOT / MATRIX_FILE)
 
 
 def check_jsonschema(kind: str, path: Path) -> subprocess.CompletedProcess[str]:
@@ -136,7 +131,7 @@ def _sessions(tmp_path: Path) -> Path:
         capture_output=True,
         text=True,
         timeout=120,
-        env={k: v for k, v in os.environ.items() if not k.startswith("GLM5_")},
+        env=environ_without(),
     )
     if listed.returncode:
         pytest.skip(f"nox is not usable here: {listed.stderr.strip()[-200:]}")
@@ -205,7 +200,7 @@ def test_nox_session_writes_the_pipeline(tmp_path):
         capture_output=True,
         text=True,
         timeout=600,
-        env={k: v for k, v in os.environ.items() if not k.startswith("GLM5_")},
+        env=environ_without(),
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert check_jsonschema("github", path).returncode == 0

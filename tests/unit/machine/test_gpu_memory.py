@@ -12,7 +12,7 @@ import pytest
 from glm5_matrix.machine import gpu_memory
 from glm5_matrix.machine.gpu_memory import Holder
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 GPU0 = "GPU-3f6c2a91-8d4e-4b7a-a1c5-5e9d0b7f2c18"
 GPU1 = "GPU-a84e17d0-2b9c-4f63-8e25-c7d1f04b9a36"
 

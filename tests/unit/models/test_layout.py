@@ -11,7 +11,7 @@ import pytest
 from glm5_matrix.cli import main
 from glm5_matrix.errors import UserError
 from glm5_matrix.matrix.profiles import load_profile
-from glm5_matrix.verdicts.layout import plan_layout
+from glm5_matrix.models.layout import plan_layout
 
 PROFILE = "glm-5.3-flash-4l"
 

@@ -129,7 +129,7 @@ def test_the_command_narrows_every_log_under_a_folder(built: Path) -> None:
         [*COMMAND, "narrow-deps", str(built), "--keep", f"{built}/proj/"],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")},
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3] / "src")},
     )
     assert done.returncode == 0, done.stderr
     assert "kept 2 dependencies, dropped 1" in done.stdout

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import results_tree
 from junitparser import JUnitXml
+from scaffold import environ_without
 
-from glm5_matrix.matrix.profiles import repo_root
+from glm5_matrix.files import repo_root
 from glm5_matrix.report import command, junit, markdown, model, page
 
 ROOT = repo_root()
@@ -253,7 +254,7 @@ def test_nox_session_builds_the_report(tree, tmp_path):
         capture_output=True,
         text=True,
         timeout=600,
-        env={k: v for k, v in os.environ.items() if not k.startswith("GLM5_")},
+        env=environ_without(),
     )
     assert result.returncode == 0, result.stderr[-2000:]
     cells = len(results_tree.matrix().variants) + 1
