@@ -57,6 +57,7 @@ import time
 from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
+from typing import TypedDict
 
 from glm5_matrix.errors import UserError
 from glm5_matrix.machine import kill_domain, processes
@@ -68,9 +69,18 @@ KILL_AFTER_S = 10.0  # from SIGTERM to SIGKILL of what is left
 LINGER_S = 3.0  # for descendants of a command that ended by itself to exit on their own
 GPU_RELEASE_S = 15.0  # for the driver to free the memory of the cell's stopped processes
 POLL_S = 0.1
+
+
 # nox's session.run waits this long for the supervisor after an interrupt (nox's default,
 # 0.3 s, then SIGTERM and SIGKILL, would cut the teardown short).
-NOX_TIMEOUTS = {
+class NoxTimeouts(TypedDict):
+    """session.run's keywords, typed so that **NOX_TIMEOUTS checks against them."""
+
+    interrupt_timeout: float
+    terminate_timeout: float
+
+
+NOX_TIMEOUTS: NoxTimeouts = {
     "interrupt_timeout": GRACE_S + 2 * KILL_AFTER_S + GPU_RELEASE_S + 10.0,
     "terminate_timeout": 10.0,
 }

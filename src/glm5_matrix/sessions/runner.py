@@ -19,7 +19,6 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from glm5_matrix.envs import environments
 from glm5_matrix.errors import UserError
@@ -31,6 +30,7 @@ from glm5_matrix.matrix.matrix import MATRIX_FILE, Matrix, Variant, load_matrix
 from glm5_matrix.matrix.profiles import load_profile
 from glm5_matrix.models import drafters, weights
 from glm5_matrix.results import closing, executed, schema
+from glm5_matrix.sessions.nox_session import NoxSession
 
 VENVS_VARIABLE = "GLM5_MATRIX_VENVS"
 # Suites that load model weights; the others read the profile's config only.
@@ -123,7 +123,7 @@ def _record_skip(out: Path, variant: Variant, weights: cell_context.Weights, rea
 
 
 def run_variant(
-    session: Any,
+    session: NoxSession,
     variant: Variant,
     *,
     posargs: Sequence[str] | None = None,
@@ -148,7 +148,9 @@ class Call:
     environment: Mapping[str, str] | None = None
 
 
-def _run_variant(session: Any, variant: Variant, call: Call) -> kernel_cache.KernelCache | None:
+def _run_variant(
+    session: NoxSession, variant: Variant, call: Call
+) -> kernel_cache.KernelCache | None:
     environ = dict(os.environ)
     # The cell's results folder (the warm step gives its own): every record of this run goes
     # there, a skip's and a lease timeout's too.
@@ -175,7 +177,11 @@ def _run_variant(session: Any, variant: Variant, call: Call) -> kernel_cache.Ker
 
 
 def take_lease(
-    session: Any, variant: Variant, found: hardware.Hardware, environ: dict[str, str], out: Path
+    session: NoxSession,
+    variant: Variant,
+    found: hardware.Hardware,
+    environ: dict[str, str],
+    out: Path,
 ) -> leases.Lease:
     """The cell's GPUs. A lease that does not come within the bound skips the cell (with what
     held the GPUs), like missing hardware, and is an error under GLM5_MATRIX_STRICT."""
@@ -191,7 +197,7 @@ def take_lease(
 
 
 def _run_leased(
-    session: Any,
+    session: NoxSession,
     variant: Variant,
     environ: dict[str, str],
     out: Path,
@@ -325,7 +331,7 @@ def _run_leased(
 
 
 def record_executed(
-    session: Any, variant: Variant, python: Path, out: Path, run_env: Mapping[str, str]
+    session: NoxSession, variant: Variant, python: Path, out: Path, run_env: Mapping[str, str]
 ) -> None:
     """After the tests passed: combine the coverage data of every process, write the executed
     vLLM files into the results folder and fail the cell when its guards miss one. Run with the
@@ -340,7 +346,7 @@ def record_executed(
 
 @contextlib.contextmanager
 def cell_domain(
-    session: Any, variant: Variant, out: Path | None = None
+    session: NoxSession, variant: Variant, out: Path | None = None
 ) -> Iterator[kill_domain.Held]:
     """The kill domain of one supervised command (glm5_matrix.machine.kill_domain). When the command
     line returns, however it ended, whatever is left in the domain is killed; when that is

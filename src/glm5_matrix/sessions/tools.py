@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 from glm5_matrix.envs import environments
 from glm5_matrix.errors import UserError
 from glm5_matrix.files import repo_root
+from glm5_matrix.sessions.nox_session import NoxSession
 
 ENV = "harness"
 VENV = "tools"
@@ -22,7 +22,7 @@ def venv_dir(environ: dict[str, str]) -> Path:
     return Path(environ.get(VENVS_VARIABLE) or repo_root() / ".nox") / VENV
 
 
-def run(session: Any, argv: list[str]) -> None:
+def run(session: NoxSession, argv: list[str]) -> None:
     """`glm5-matrix ARGV...` in the harness environment. `session` is a nox.Session."""
     environ = dict(os.environ)
     try:

@@ -31,6 +31,7 @@ from glm5_matrix.matrix.matrix import ENGINE_SUITES, Matrix, Variant
 from glm5_matrix.results import schema
 from glm5_matrix.results.schema import RESULTS_FILE
 from glm5_matrix.sessions import runner
+from glm5_matrix.sessions.nox_session import NoxSession
 
 WARM_SUITE = "tests/suites/test_warm.py"
 NOT_CACHED = (
@@ -147,7 +148,7 @@ def summary_lines(variant: Variant, out: Path) -> list[str]:
     return lines
 
 
-def run(session: Any, matrix: Matrix) -> None:
+def run(session: NoxSession, matrix: Matrix) -> None:
     """The `warm` session. `session` is a nox.Session."""
     try:
         options = parse(list(session.posargs))

@@ -1,0 +1,52 @@
+"""What the sessions room asks of the nox session it is handed (the noxfile's nox.Session): a
+structural type, so that the room's functions are typed without the package importing nox.
+Only the parts the room uses, spelled as nox.Session spells them; mypy checks the noxfile's
+nox.Session against it where the noxfile passes one in."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, Literal, NoReturn, Protocol, overload
+
+
+class NoxSession(Protocol):
+    @property
+    def posargs(self) -> list[str]:
+        """The session's arguments (after `--` on nox's command line)."""
+        ...
+
+    # As nox.Session.run: silent=True returns the command's output, otherwise whether it ran.
+    @overload
+    def run(
+        self,
+        *args: str | os.PathLike[str],
+        env: Mapping[str, str | None] | None = None,
+        silent: Literal[False] = False,
+        external: Literal["error", True, False] | None = None,
+        interrupt_timeout: float | None = 0.3,
+        terminate_timeout: float | None = 0.2,
+    ) -> bool | None: ...
+
+    @overload
+    def run(
+        self,
+        *args: str | os.PathLike[str],
+        env: Mapping[str, str | None] | None = None,
+        silent: Literal[True],
+        external: Literal["error", True, False] | None = None,
+        interrupt_timeout: float | None = 0.3,
+        terminate_timeout: float | None = 0.2,
+    ) -> str | None: ...
+
+    def log(self, *args: Any, **kwargs: Any) -> None: ...
+
+    def warn(self, *args: Any, **kwargs: Any) -> None: ...
+
+    def error(self, *args: Any) -> NoReturn:
+        """End the session as failed (raises)."""
+        ...
+
+    def skip(self, *args: Any) -> NoReturn:
+        """End the session as skipped (raises)."""
+        ...
