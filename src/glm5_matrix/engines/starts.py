@@ -22,9 +22,13 @@ def account_start(
 ) -> None:
     """Record the start `label` that took `seconds` (and the torch.compile seconds vLLM reports,
     asked only now), then refuse it, naming `what` started, if the kernel guard is on and its
-    processes compiled. Without a `watch` every file written counts (no writer was looked for)."""
+    processes compiled. Without a `watch` every file written counts, each said to be unwatched (writers.unwatched)."""
     changed = kernel_cache.written(before, kernel_cache.snapshot())
-    writes = writers.attribute(changed, watch.stop() if watch is not None else ())
+    writes = (
+        writers.attribute(changed, watch.stop())
+        if watch is not None
+        else writers.unwatched(changed)
+    )
     compiled = writers.counted(writes)
     record_engine_start(
         label,

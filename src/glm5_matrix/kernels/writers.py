@@ -663,6 +663,21 @@ def attribute(changed: Mapping[str, list[str]], sightings: Iterable[Sighting]) -
     return writes
 
 
+UNWATCHED_WHY = "not watched: the kernel guard is off, so no writer was looked for"
+
+
+def unwatched(changed: Mapping[str, list[str]]) -> list[FileWrite]:
+    """Each file of `changed` written in a window nobody watched (the guard off: no Watch ran):
+    counted, as every written file was before writers were told apart, and said as such; never
+    "no process outside the cell was in the cache", which only a watch can tell (seen on the
+    H200: a stranger's fused_moe_90 objects written during an unguarded start were reported so)."""
+    return [
+        FileWrite(library, path, UNSEEN, True, why=UNWATCHED_WHY)
+        for library, paths in sorted(changed.items())
+        for path in paths
+    ]
+
+
 def counted(writes: Iterable[FileWrite]) -> dict[str, list[str]]:
     """{library: [files counted against the cell]}, every library of `writes` listed."""
     found: dict[str, list[str]] = {}

@@ -542,3 +542,15 @@ def test_a_put_made_before_its_new_folder_was_watched_names_its_writer(
             finish(again, go_again)
     finally:
         inotify.close()
+
+
+def test_an_unwatched_window_says_so_and_never_that_no_stranger_was_there() -> None:
+    # The guard off, no Watch ran: a file written then counts (as before writers were told
+    # apart) but its record must not claim what only a watch can tell (seen on the H200: a
+    # stranger's fused_moe_90 objects reported "no process outside the cell was in the cache").
+    changed = {"flashinfer": [".cache/flashinfer/x/90a/cached_ops/fused_moe_90/a.cuda.o"]}
+    (write,) = writers.unwatched(changed)
+    assert write.counted and write.writer == writers.UNSEEN
+    assert write.why == writers.UNWATCHED_WHY
+    (watched,) = writers.attribute(changed, ())
+    assert watched.why != write.why  # the control: a watch that saw nobody says otherwise
