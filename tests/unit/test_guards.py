@@ -90,7 +90,12 @@ def test_cli_json_and_stdin():
     result = _cli("--json", "-", stdin="vllm/v1/worker/cpu_worker.py\nREADME.md\n")
     assert result.returncode == 0, result.stderr
     listed = json.loads(result.stdout)
-    assert [item["session"] for item in listed] == ["e2e-cpu", "pd-nixl-cpu", "e2e-cpu-tp2", "faults"]
+    assert [item["session"] for item in listed] == [
+        "e2e-cpu",
+        "pd-nixl-cpu",
+        "e2e-cpu-tp2",
+        "faults",
+    ]
     assert listed[0]["matched"] == [
         {"path": "vllm/v1/worker/cpu_worker.py", "guard": "vllm/v1/worker/cpu_worker.py"}
     ]
