@@ -94,6 +94,7 @@ def test_cli_json_and_stdin():
         "e2e-cpu",
         "pd-nixl-cpu",
         "e2e-cpu-tp2",
+        "e2e-cpu-tp4",
         "faults",
     ]
     assert listed[0]["matched"] == [
@@ -171,10 +172,17 @@ def test_cli_reads_git_diff_output_as_git_prints_it():
         "e2e-cpu",
         "pd-nixl-cpu",
         "e2e-cpu-tp2",
+        "e2e-cpu-tp4",
         "faults",
     ]
     folder = _cli("vllm/v1/worker/cpu")
-    assert folder.stdout.split() == ["e2e-cpu", "pd-nixl-cpu", "e2e-cpu-tp2", "faults"]
+    assert folder.stdout.split() == [
+        "e2e-cpu",
+        "pd-nixl-cpu",
+        "e2e-cpu-tp2",
+        "e2e-cpu-tp4",
+        "faults",
+    ]
     assert "no cell guards" not in folder.stderr
 
 

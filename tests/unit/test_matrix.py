@@ -32,6 +32,7 @@ GPU_VARIANTS = {
 CPU_CELLS = {
     "e2e-cpu",
     "e2e-cpu-tp2",
+    "e2e-cpu-tp4",
     "pd-nixl-cpu",
     "layout",
     "unit",
@@ -63,6 +64,7 @@ def test_every_cell_users_type_is_there(matrix):
         ("pd-nixl", {"gpu", "gpus-2", "sm90", "pd"}),
         ("e2e-cpu", {"cpu", "e2e"}),
         ("e2e-cpu-tp2", {"cpu", "e2e", "tp-2", "env-cpu"}),
+        ("e2e-cpu-tp4", {"cpu", "e2e", "tp-4", "env-cpu"}),
         ("pd-nixl-cpu", {"cpu", "pd"}),
         ("layout", {"cpu", "layout", "env-cuda"}),
         ("metadata", {"cpu", "metadata", "env-cuda"}),
