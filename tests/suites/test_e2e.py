@@ -5,6 +5,8 @@ The `cell` and `profile` fixtures come from tests/suites/conftest.py."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +22,7 @@ from glm5_matrix.engines.client import (
 )
 from glm5_matrix.engines.engine_configs import e2e_specs
 from glm5_matrix.engines.prompts import with_other_tokens
+from glm5_matrix.engines.specs import engine_spec
 from glm5_matrix.matrix.context import CellContext
 from glm5_matrix.matrix.profiles import Profile
 from glm5_matrix.results.recorder import record_figure
@@ -189,6 +192,90 @@ def _check_planned_layout(
             )
 
 
+def test_kv_layout_splits_over_ranks(
+    engine: Engine, cell: CellContext, profile: Profile, layout: dict[str, Any]
+) -> None:
+    """Tensor parallelism (CPU TP cells): every rank holds the same groups and block size; each
+    Mamba state per rank is the config's state over TP (the GDN heads split), the attention
+    bytes per token are not (one KV head, replicated), so vLLM's aligner picks a smaller block
+    than at TP1, the way GLM-5.3-Flash's shrinks (4352/2176/1152)."""
+    tp = cell.tp or 1
+    if tp == 1 or "layout" in profile.data:
+        pytest.skip("the tiny hybrid at TP > 1 (GLM-5.3-Flash: the planner, test_kv_layout)")
+    ranks = engine.kv_layouts()
+    assert len(ranks) == tp, f"{len(ranks)} workers answered at TP{tp}"
+    shape = [
+        [(spec_names(g), g["block_size"], g["page_size_bytes"]) for g in r["groups"]] for r in ranks
+    ]
+    assert all(s == shape[0] for s in shape), f"ranks disagree on the KV groups: {shape}"
+    config = profile.section("model")["config"]
+    k_heads, v_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    k_dim, v_dim = config["linear_key_head_dim"], config["linear_value_head_dim"]
+    assert k_heads % tp == 0 and v_heads % tp == 0, f"TP{tp} does not split the GDN heads"
+    conv = (2 * k_heads * k_dim + v_heads * v_dim) * (config["linear_conv_kernel_dim"] - 1)
+    recurrent = v_heads * k_dim * v_dim
+    expect = profile.section("expect")
+    for group in _groups_of(layout, expect["mamba_spec"]):
+        sizes = sorted(math.prod(s) for s in group["state_shapes"])
+        assert sizes == sorted([conv // tp, recurrent // tp]), (
+            f"Mamba state per rank {group['state_shapes']} is not the config's "
+            f"({conv}, {recurrent} elements) over TP{tp}"
+        )
+    (attention,) = _groups_of(layout, expect["attention_spec"])
+    per_token = attention["bytes_per_token"]
+    replicated = 2 * max(1, config["num_key_value_heads"] // tp) * config["head_dim"] * 2
+    assert per_token == replicated, f"attention {per_token} B/token, expected {replicated}"
+    # vLLM's aligner on a fresh TP1 config of the same engine args (no engine started).
+    block = block_size_of(layout)
+    _, tp1_block, _ = _aligned_block_size(
+        engine, attention["backend_class"], tensor_parallel_size=1
+    )
+    print(f"block at TP{tp}: {block} tokens; vLLM's aligner at TP1: {tp1_block}")
+    record_figure("layout.tp1_block_size", tp1_block, unit="tokens")
+    record_figure("layout.ranks", len(ranks), limit=tp, relation="==")
+    assert block < tp1_block, f"TP{tp} block {block} did not shrink from TP1's {tp1_block}"
+
+
+def test_greedy_tokens_equal_tp1(engine: Engine, cell: CellContext, profile: Profile) -> None:
+    """Tensor parallelism (CPU TP cells): the same prompt on a TP1 engine of the same model,
+    done the profile's reference_repeats times (its own noise); this engine's greedy tokens
+    must equal TP1's at every step TP1 wins by more than that noise. The all-reduce sums the
+    ranks' partial products in another order, so the logprobs differ by rounding: recorded per
+    step, not judged by a constant. The control, this engine's run steered off TP1's choice at a
+    decisive step, must be rejected by the same rule with the profile's min_power."""
+    tp = cell.tp or 1
+    if tp == 1:
+        pytest.skip("TP1 is the reference")
+    prompts, tolerances = profile.section("prompts"), profile.section("tolerances")
+    block = block_size_of(engine.kv_layout())
+    prompt = _prompt(profile, engine, int(prompts["long_blocks"] * block))
+    max_tokens = int(prompts["max_tokens"])
+    spec = engine_spec(cell, profile, tensor_parallel_size=1)
+    # The cell's thread binding names one core per rank; the TP1 engine takes both.
+    binding = (
+        {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+        if "VLLM_CPU_OMP_THREADS_BIND" in spec.environment
+        else {}
+    )
+    spec = dataclasses.replace(spec, environment={**spec.environment, **binding})
+    with Engine(spec) as tp1:
+        print(f"engine {tp1.spec.label} up in {tp1.start_seconds:.1f} s")
+        record_figure("tp.tp1_start_s", round(tp1.start_seconds, 1), unit="s")
+        reference, comparison = judging.reference_repeated(
+            tp1, prompt, max_tokens, "tp", tolerances, names_prefix="TP1"
+        )
+    assert engine.reset_prefix_cache()
+    run = engine.generate_scored(prompt, max_tokens, TOP_LOGPROBS)
+    print(f"\nTP1   {reference.token_ids}\nTP{tp}   {run.token_ids}")
+    comparison.tokens_agree(reference, run, ("TP1", f"TP{tp}"))
+    # The control: this engine steered off TP1's choice at TP1's first decisive step (what a
+    # rank computing a wrong split amounts to at the output). A prompt whose first block is
+    # drawn anew is no control here: on this model it left all 24 greedy tokens unchanged
+    # (measured), so the token rule cannot be shown failing with it.
+    control = judging.runner_up_control(engine, prompt, max_tokens, reference, comparison)
+    comparison.rejects_by_token(reference, control, ("TP1", f"TP{tp} off TP1's choice"))
+
+
 def test_moe_backend_is_the_one_asked(engine: Engine, cell: CellContext, profile: Profile) -> None:
     """The backend axis means something only if the engine runs the backend the cell asked."""
     asked = engine.spec.args.get("moe_backend")
@@ -225,13 +312,17 @@ def test_default_max_num_seqs(engine: Engine, profile: Profile, layout: dict[str
     assert len(tokens) == 4
 
 
-def _aligned_block_size(engine: Engine, backend_name: str) -> tuple[int, int, type]:
-    """(block size before alignment, after vLLM's hybrid aligner, the attention backend)."""
+def _aligned_block_size(
+    engine: Engine, backend_name: str, **overrides: Any
+) -> tuple[int, int, type]:
+    """(block size before alignment, after vLLM's hybrid aligner, the attention backend), for
+    the engine's arguments with `overrides`."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
 
     backend = resolve_class(backend_name)
-    config = EngineArgs(model=engine.spec.model, **engine.spec.args).create_engine_config()
+    args = {**engine.spec.args, **overrides}
+    config = EngineArgs(model=engine.spec.model, **args).create_engine_config()
     start = int(config.cache_config.block_size)
     current_platform._align_hybrid_block_size(config, backend)
     return start, int(config.cache_config.block_size), backend
@@ -336,7 +427,9 @@ def _stale_block(profile: Profile, engine: Engine, prompt: list[int], block: int
     return with_other_tokens(prompt, block - changed, block, engine.vocab_size(), seed)
 
 
-def test_prefill_checkpoint_pages(engine: Engine, profile: Profile, layout: dict[str, Any]) -> None:
+def test_prefill_checkpoint_pages(
+    engine: Engine, cell: CellContext, profile: Profile, layout: dict[str, Any]
+) -> None:
     """Every Mamba group's cached checkpoint page at the prompt's last block boundary equals
     the state of a cold prefill ending at that boundary, read from its own group.
 
@@ -372,6 +465,21 @@ def test_prefill_checkpoint_pages(engine: Engine, profile: Profile, layout: dict
         with pytest.raises(AssertionError) as wrong_group:
             compare.check_checkpoint_pages(cached, shifted, tolerance)
         print(f"against another group's reference: {wrong_group.value}")
+    tp = cell.tp or 1
+    if tp > 1:  # every rank's own split checked, and told apart from another rank's
+        ranks = sorted({key.split("/", 1)[0] for key in cached})
+        assert ranks == [f"rank{r}" for r in range(tp)], f"pages read from {ranks}"
+        record_figure("checkpoint.ranks_checked", len(ranks), limit=tp, relation="==")
+
+        def next_rank(key: str) -> str:
+            rank, rest = key.split("/", 1)
+            return f"rank{(int(rank.removeprefix('rank')) + 1) % tp}/{rest}"
+
+        with pytest.raises(AssertionError) as wrong_rank:
+            compare.check_checkpoint_pages(
+                cached, {k: references[next_rank(k)] for k in cached}, tolerance
+            )
+        print(f"against the next rank's reference: {wrong_rank.value}")
 
 
 def _boundary_pages(
@@ -405,8 +513,15 @@ def _boundary_pages(
             for layer in group["layer_names"]:
                 wanted.append((layer, block_id))
                 keys.append(f"group{index}/{layer}@{boundary}")
-    pages = engine.read_pages(wanted)
-    return dict(zip(keys, pages, strict=True))
+    ranks = engine.read_pages_per_rank(wanted)
+    if len(ranks) == 1:
+        return dict(zip(keys, ranks[0], strict=True))
+    # Tensor parallelism: every rank's page of its own split of the heads, checked each.
+    return {
+        f"rank{rank}/{key}": page
+        for rank, pages in enumerate(ranks)
+        for key, page in zip(keys, pages, strict=True)
+    }
 
 
 def test_prefix_hit_starts_from_the_checkpoint(

@@ -280,6 +280,10 @@ class Engine:
         """The KV cache layout of rank 0 as plain data (see worker_kv_layout)."""
         return self.rpc(worker_kv_layout)[0]
 
+    def kv_layouts(self) -> list[dict[str, Any]]:
+        """worker_kv_layout of every tensor-parallel rank, in rank order."""
+        return self.rpc(worker_kv_layout)
+
     def moe_backends(self) -> dict[str, list[str]]:
         return self.rpc(worker_moe_backends)[0]
 
@@ -321,6 +325,11 @@ class Engine:
         """For each (layer, block id): that block's page of each of the layer's state tensors,
         as float32 numpy arrays, from rank 0."""
         return self.rpc(worker_read_pages, list(layer_blocks))[0]
+
+    def read_pages_per_rank(self, layer_blocks: Sequence[tuple[str, int]]) -> list[list[list[Any]]]:
+        """read_pages on every tensor-parallel rank: one list per rank (rank order), each rank
+        holding its own split of the heads."""
+        return self.rpc(worker_read_pages, list(layer_blocks))
 
     def page_digests(self, layer_blocks: Sequence[tuple[str, int]]) -> list[list[str]]:
         """For each (layer, block id): the sha256 of that block's bytes per state tensor, from

@@ -85,7 +85,13 @@ def test_cli_json_and_stdin():
     result = _cli("--json", "-", stdin="vllm/v1/worker/cpu_worker.py\nREADME.md\n")
     assert result.returncode == 0, result.stderr
     listed = json.loads(result.stdout)
-    assert [item["session"] for item in listed] == ["e2e-cpu", "pd-nixl-cpu", "faults"]
+    assert [item["session"] for item in listed] == [
+        "e2e-cpu",
+        "pd-nixl-cpu",
+        "e2e-cpu-tp2",
+        "e2e-cpu-tp4",
+        "faults",
+    ]
     assert listed[0]["matched"] == [
         {"path": "vllm/v1/worker/cpu_worker.py", "guard": "vllm/v1/worker/cpu_worker.py"}
     ]
@@ -160,10 +166,18 @@ def test_cli_reads_git_diff_output_as_git_prints_it():
     assert prefixed.stdout == plain.stdout and plain.stdout.split() == [
         "e2e-cpu",
         "pd-nixl-cpu",
+        "e2e-cpu-tp2",
+        "e2e-cpu-tp4",
         "faults",
     ]
     folder = _cli("vllm/v1/worker/cpu")
-    assert folder.stdout.split() == ["e2e-cpu", "pd-nixl-cpu", "faults"]
+    assert folder.stdout.split() == [
+        "e2e-cpu",
+        "pd-nixl-cpu",
+        "e2e-cpu-tp2",
+        "e2e-cpu-tp4",
+        "faults",
+    ]
     assert "no cell guards" not in folder.stderr
 
 

@@ -29,7 +29,17 @@ GPU_VARIANTS = {
     "noise-tp1",
     "pd-nixl",
 }
-CPU_CELLS = {"e2e-cpu", "pd-nixl-cpu", "layout", "unit", "lint", "metadata", "faults"}
+CPU_CELLS = {
+    "e2e-cpu",
+    "e2e-cpu-tp2",
+    "e2e-cpu-tp4",
+    "pd-nixl-cpu",
+    "layout",
+    "unit",
+    "lint",
+    "metadata",
+    "faults",
+}
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +63,8 @@ def test_every_cell_users_type_is_there(matrix):
         ("offload-tp1(offloading)", {"gpu", "offload", "kv-offloading"}),
         ("pd-nixl", {"gpu", "gpus-2", "sm90", "pd"}),
         ("e2e-cpu", {"cpu", "e2e"}),
+        ("e2e-cpu-tp2", {"cpu", "e2e", "tp-2", "env-cpu"}),
+        ("e2e-cpu-tp4", {"cpu", "e2e", "tp-4", "env-cpu"}),
         ("pd-nixl-cpu", {"cpu", "pd"}),
         ("layout", {"cpu", "layout", "env-cuda"}),
         ("metadata", {"cpu", "metadata", "env-cuda"}),
