@@ -264,7 +264,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             unknown = set(args.only) - {m.name for m in mutants}
             if unknown:
                 raise UserError(f"--only: no mutant named {', '.join(sorted(unknown))}")
-            mutants = [m for m in mutants if m.name in args.only]
+            # In the order asked for (a long run on a busy box judges the first ones first).
+            named = {m.name: m for m in mutants}
+            mutants = [named[name] for name in dict.fromkeys(args.only)]
         if args.ci:
             mutants = [m for m in mutants if m.ci]
         if args.jobs < 1:
