@@ -21,6 +21,7 @@ anything (glm5_matrix.machine.leases), so parallel cells never share one. plan, 
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -143,12 +144,13 @@ def pipeline(session: nox.Session) -> None:
 def mutants(session: nox.Session) -> None:
     """vLLM regressions planted in copies of the cells' environments: caught or survived
     (mutants/catalogue.toml; -- --ci for the CI subset, --jobs N, --only NAME, --list)."""
-    src = str(Path(__file__).parent / "src")
+    # The harness first, whatever PYTHONPATH already holds kept (a box's vLLM bundle on it).
+    path = [str(Path(__file__).parent / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]
     session.run(
         sys.executable,
         "-m",
         "glm5_matrix.mutants.run",
         *session.posargs,
-        env={"PYTHONPATH": src},
+        env={"PYTHONPATH": os.pathsep.join(path)},
         external=True,
     )

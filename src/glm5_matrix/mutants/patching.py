@@ -4,11 +4,20 @@ The copy is glm5_matrix.envs.venv_copies': hard links, and the files the patch c
 copy's own before `patch` touches them (never a write through a hard link). The patch is applied with
 `patch -p1` inside the copy's site-packages and checked applied: a reverse dry run must succeed,
 and each patched file must differ from the original, whose digest must not have moved.
+
+Where the cell runs a given interpreter (GLM5_MATRIX_PYTHON: a box with vLLM installed and no
+venv to build, no network), the copy is an overlay instead: the top-level packages the patch
+touches (vllm/), copied out of the folder that interpreter imports them from, into a folder put
+first on the cell's PYTHONPATH; the interpreter is checked to import them from there.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
+import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,14 +58,28 @@ class Applied:
 def apply_patch(source: Path, target: Path, patch: Path) -> Applied:
     """Copy the venv `source` to `target` and apply `patch` there; a patch that does not apply
     cleanly (or is already applied) is a UserError, and the original is checked unchanged."""
+
+    def copy() -> Path:
+        hardlink_copy(source, target)
+        return site_packages(target)
+
+    return _apply(site_packages(source), copy, target, patch)
+
+
+def apply_patch_overlay(source_site: Path, overlay: Path, patch: Path) -> Applied:
+    """The overlay of `patch`: its top-level packages copied from `source_site` (the folder the
+    given interpreter imports them from) to `overlay`, and patched there."""
+    tops = sorted({Path(f).parts[0] for f in patched_files(patch.read_text())})
+    return _apply(source_site, lambda: overlay_copy(source_site, overlay, tops), overlay, patch)
+
+
+def _apply(source_site: Path, copy: Callable[[], Path], target: Path, patch: Path) -> Applied:
     files = tuple(patched_files(patch.read_text()))
-    source_site = site_packages(source)
     missing = [f for f in files if not (source_site / f).is_file()]
     if missing:
         raise UserError(f"{patch.name}: {', '.join(missing)} not in {source_site}")
     before = {f: digest(source_site / f) for f in files}
-    hardlink_copy(source, target)
-    site = site_packages(target)
+    site = copy()
     for name in files:
         own_file(site / name)
     _patch(site, patch, ["--dry-run"], "does not apply")
@@ -72,10 +95,67 @@ def apply_patch(source: Path, target: Path, patch: Path) -> Applied:
     return Applied(target, files, before, patched)
 
 
+def overlay_copy(source_site: Path, overlay: Path, tops: list[str]) -> Path:
+    """`overlay` holds a copy of each package `tops` of `source_site`: hard links where both
+    are on one filesystem, else a plain copy (the original is never written either way)."""
+    if overlay.exists():
+        shutil.rmtree(overlay)
+    overlay.mkdir(parents=True)
+    for top in tops:
+        src = source_site / top
+        if not src.is_dir():
+            raise UserError(f"{src}: not a package folder to copy")
+        linked = subprocess.run(["cp", "-al", str(src), str(overlay / top)], capture_output=True)
+        if linked.returncode != 0:  # another filesystem (e.g. /tmp/site and the checkout)
+            shutil.rmtree(overlay / top, ignore_errors=True)
+            subprocess.run(["cp", "-a", str(src), str(overlay / top)], check=True)
+    return overlay
+
+
+def interpreter_site(python: str, environ: Mapping[str, str], package: str = "vllm") -> Path:
+    """The folder the interpreter `python` imports `package` from (site-packages, a bundle on
+    its PYTHONPATH)."""
+    origin = _origin(python, environ, package)
+    if origin is None:
+        raise UserError(f"{python}: cannot import {package} (nothing to patch)")
+    return origin.parent.parent  # .../SITE/vllm/__init__.py -> .../SITE
+
+
+def check_overlay_imported(
+    python: str, environ: Mapping[str, str], overlay: Path, package: str = "vllm"
+) -> None:
+    """`python` with `overlay` first on its PYTHONPATH imports `package` from the overlay."""
+    path = os.pathsep.join(p for p in (str(overlay), environ.get("PYTHONPATH")) if p)
+    origin = _origin(python, {**environ, "PYTHONPATH": path}, package)
+    if origin is None or overlay.resolve() not in origin.resolve().parents:
+        raise UserError(f"{python} imports {package} from {origin}, not from the overlay {overlay}")
+
+
+def _origin(python: str, environ: Mapping[str, str], package: str) -> Path | None:
+    code = (
+        "import importlib.util, sys; s = importlib.util.find_spec(sys.argv[1]); "
+        "print(s.origin if s and s.origin else '')"
+    )
+    done = subprocess.run(
+        [python or sys.executable, "-c", code, package],
+        capture_output=True,
+        text=True,
+        env=dict(environ),
+    )
+    found = done.stdout.strip()
+    return Path(found) if done.returncode == 0 and found else None
+
+
 def control_copy(source: Path, target: Path) -> Applied:
     """The unpatched copy a control run uses (the same copying, no patch)."""
     hardlink_copy(source, target)
     return Applied(target, (), {}, {})
+
+
+def control_overlay(source_site: Path, overlay: Path, tops: list[str]) -> Applied:
+    """The unpatched overlay a control run uses (the same copying, no patch)."""
+    overlay_copy(source_site, overlay, tops)
+    return Applied(overlay, (), {}, {})
 
 
 def _patch(site: Path, patch: Path, options: list[str], failure: str) -> None:

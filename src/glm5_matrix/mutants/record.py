@@ -69,9 +69,15 @@ def row(outcome: _Outcome) -> dict[str, Any]:
 def merge(
     previous: list[dict[str, Any]], new: list[dict[str, Any]], key: str
 ) -> list[dict[str, Any]]:
-    """`previous` rows with those of `new` replaced (by `key`), new ones appended."""
+    """`previous` rows with those of `new` replaced (by `key`), new ones appended. A row that
+    says only "not run here" (a GPU entry on a CPU box) leaves a verdict measured elsewhere
+    (copied in from a GPU machine's results-mutants/) as it is."""
     fresh = {r[key]: r for r in new}
-    merged = [fresh.pop(r[key], r) for r in previous]
+    merged = []
+    for r in previous:
+        newer = fresh.pop(r[key], r)
+        measured = r.get("status") in (verdicts.CAUGHT, verdicts.SURVIVED)
+        merged.append(r if measured and newer.get("status") == verdicts.NOT_RUN else newer)
     return merged + [r for r in new if r[key] in fresh]
 
 

@@ -7,10 +7,13 @@ only when it is green are that cell's mutants judged. Every run is the cell's ow
 the matrix runs it, and writes its results.json under the mutants' results folder, never under
 results/. GPU cells this box cannot run are listed with the command that runs them.
 
-    python -m glm5_matrix.mutants.run [--ci] [--jobs N] [--only NAME ...] [--list]
+    python -m glm5_matrix.mutants.run [--ci] [--jobs N] [--only NAME ...] [--list] [-- CELL ARGS]
 
+What follows a second `--` goes to every cell run (e.g. `-- --kernel-archive FILE`).
 GLM5_MATRIX_MUTANTS_WRAP (e.g. "heavy") is put before every cell command: on a shared box each
-cell then takes a machine-wide slot of its own.
+cell then takes a machine-wide slot of its own. With GLM5_MATRIX_PYTHON (a box whose vLLM is
+installed for that interpreter, nothing to build) the copy is an overlay of the patched packages
+put first on the cell's PYTHONPATH (glm5_matrix.mutants.patching).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from pathlib import Path
 
 from glm5_matrix.envs import environments
 from glm5_matrix.errors import UserError
+from glm5_matrix.kernels import kernel_cache
 from glm5_matrix.machine import hardware
 from glm5_matrix.matrix.matrix import Matrix, Variant
 from glm5_matrix.matrix.profiles import repo_root
@@ -51,6 +55,14 @@ def out_dir(environ: dict[str, str]) -> Path:
 
 def gpu_command(mutant: Mutant) -> str:
     return f"nox -s mutants -- --only {mutant.name}"
+
+
+OVERLAY_PACKAGES = ["vllm"]  # what a control's overlay copies (the catalogue patches vllm/)
+
+
+def given_python(environ: dict[str, str]) -> str | None:
+    """The interpreter GLM5_MATRIX_PYTHON names: the cells run it, nothing is built."""
+    return environ.get(environments.PYTHON_VARIABLE) or None
 
 
 @dataclass(frozen=True)
@@ -92,10 +104,14 @@ def run_cell(
     log: Path,
     wrap: Sequence[str],
     first_failure: bool = False,
+    cell_args: Sequence[str] = (),
+    overlay: Path | None = None,
 ) -> int:
     """The cell's own nox session on the copy in `venvs`, its results under `results`; with
     `first_failure`, pytest stops at the first failing test (-x: a caught mutant is named by
-    its first catcher, and its run is short)."""
+    its first catcher, and its run is short). `cell_args` go to the cell (its --kernel-archive
+    ...); with `overlay`, the cell runs the given interpreter with the overlay first on its
+    PYTHONPATH."""
     command = [
         *wrap,
         sys.executable,
@@ -106,6 +122,7 @@ def run_cell(
         "-s",
         variant.id,
         "--",
+        *cell_args,
         "-k",
         select,
         "-p",
@@ -117,7 +134,16 @@ def run_cell(
         runner.VENVS_VARIABLE: str(venvs),
         schema.RESULTS_VARIABLE: str(results),
     }
-    environ.pop(environments.PYTHON_VARIABLE, None)  # the copy is the interpreter, not one given
+    # A patch to a Triton kernel's source (the rejection sampler's) compiles that kernel anew by
+    # design: the kernel guard (GLM5_MATRIX_STRICT turns it on) would fail the run for that, and
+    # a guard failure must not read as a catch.
+    environ[kernel_cache.GUARD_VARIABLE] = "0"
+    if overlay is None:
+        environ.pop(environments.PYTHON_VARIABLE, None)  # the copy is the interpreter
+    else:
+        environ["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(overlay), os.environ.get("PYTHONPATH")) if p
+        )
     log.parent.mkdir(parents=True, exist_ok=True)
     timeout = variant.cell.timeout_minutes * 60
     started = results / variant.slug  # the runner makes it when the cell starts
@@ -156,6 +182,7 @@ def _attempt(
     control: verdicts.Verdict | None,
     say: Callable[[str], None],
     keep: bool,
+    cell_args: Sequence[str] = (),
 ) -> Outcome:
     variant = matrix.variant(cell)
     label = mutant.name if mutant else f"control-{variant.slug}"
@@ -170,16 +197,37 @@ def _attempt(
     if results.exists():
         shutil.rmtree(results)
     started = time.monotonic()
-    source = source_venv(matrix, variant, say)
     files: tuple[str, ...] = ()
+    overlay: Path | None = None
     try:
-        if mutant is None:
-            patching.control_copy(source, venvs / variant.slug)
+        python = given_python(dict(os.environ))
+        if python is not None:
+            site = patching.interpreter_site(python, os.environ)
+            overlay = work / "overlay"
+            if mutant is None:
+                patching.control_overlay(site, overlay, OVERLAY_PACKAGES)
+            else:
+                files = patching.apply_patch_overlay(site, overlay, mutant.patch).files
+            patching.check_overlay_imported(python, os.environ, overlay)
         else:
-            files = patching.apply_patch(source, venvs / variant.slug, mutant.patch).files
+            source = source_venv(matrix, variant, say)
+            if mutant is None:
+                patching.control_copy(source, venvs / variant.slug)
+            else:
+                files = patching.apply_patch(source, venvs / variant.slug, mutant.patch).files
         say(f"{label}: running {variant.id} -k {select!r}")
         log = results / "nox.log"
-        run_cell(variant, select, venvs, results, log, wrap, first_failure=mutant is not None)
+        run_cell(
+            variant,
+            select,
+            venvs,
+            results,
+            log,
+            wrap,
+            first_failure=mutant is not None,
+            cell_args=cell_args,
+            overlay=overlay,
+        )
     except UserError as exc:
         return Outcome(
             mutant, cell, verdicts.Verdict(verdicts.INVALID, detail=str(exc)), 0.0, None, files
@@ -205,7 +253,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", metavar="NAME", help="these mutants only")
     parser.add_argument("--list", action="store_true", help="print the catalogue and stop")
     parser.add_argument("--keep", action="store_true", help="keep the patched copies")
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cell_args = argv[argv.index("--") + 1 :] if "--" in argv else []
+    args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
 
     def say(line: str) -> None:
         print(f"mutants: {line}", flush=True)
@@ -219,7 +269,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             unknown = set(args.only) - {m.name for m in mutants}
             if unknown:
                 raise UserError(f"--only: no mutant named {', '.join(sorted(unknown))}")
-            mutants = [m for m in mutants if m.name in args.only]
+            # In the order asked for (a long run on a busy box judges the first ones first).
+            named = {m.name: m for m in mutants}
+            mutants = [named[name] for name in dict.fromkeys(args.only)]
         if args.ci:
             mutants = [m for m in mutants if m.ci]
         if args.jobs < 1:
@@ -247,6 +299,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             outcomes.append(
                 Outcome(m, m.cell, verdicts.Verdict(verdicts.NOT_RUN, detail=detail), 0.0, None)
             )
+    if args.only and not runnable:
+        # Nothing asked for runs here: one line, and the record of earlier runs left as it is.
+        reasons = sorted({o.verdict.detail.split("; on such")[0] for o in outcomes})
+        names = ", ".join(o.mutant.name for o in outcomes if o.mutant)
+        print(
+            f"glm5-matrix: error: {names}: not runnable here ({'; '.join(reasons)})",
+            file=sys.stderr,
+        )
+        return 2
     by_cell: dict[str, list[Mutant]] = {}
     for m in runnable:
         by_cell.setdefault(m.cell, []).append(m)
@@ -255,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def control(cell: str) -> Outcome:
         selection = catalogue.control_selection(by_cell[cell])
         return book.control(
-            _attempt(matrix, None, cell, selection, out, wrap, None, say, args.keep)
+            _attempt(matrix, None, cell, selection, out, wrap, None, say, args.keep, cell_args)
         )
 
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
@@ -266,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         def mutant(m: Mutant) -> Outcome:
             verdict = controls[m.cell].result().verdict
             return book.mutant(
-                _attempt(matrix, m, m.cell, m.select, out, wrap, verdict, say, args.keep)
+                _attempt(matrix, m, m.cell, m.select, out, wrap, verdict, say, args.keep, cell_args)
             )
 
         judged = [pool.submit(mutant, m) for m in _in_turn(by_cell)]

@@ -193,6 +193,54 @@ def test_a_patch_already_applied_is_refused(tmp_path: Path) -> None:
         patching.apply_patch(venv, tmp_path / "copy", patch)
 
 
+def test_an_overlay_of_a_given_interpreter_is_patched_and_imported_first(
+    tmp_path: Path,
+) -> None:
+    """GLM5_MATRIX_PYTHON (a box with vLLM installed, nothing to build): the patched package is
+    an overlay put first on PYTHONPATH; the folder the interpreter imports it from is left as
+    it is, and the overlay is checked to be what it imports."""
+    import sys
+
+    bundle = tmp_path / "site"
+    (bundle / "pkg").mkdir(parents=True)
+    (bundle / "pkg" / "__init__.py").write_text("")
+    (bundle / "pkg" / "mod.py").write_text(ORIGINAL)
+    patch = tmp_path / "m.patch"
+    patch.write_text(PATCH)
+    environ = {"PYTHONPATH": str(bundle), "PATH": "/usr/bin:/bin"}
+    site = patching.interpreter_site(sys.executable, environ, package="pkg")
+    assert site == bundle
+    overlay = tmp_path / "overlay"
+    applied = patching.apply_patch_overlay(site, overlay, patch)
+    assert applied.files == ("pkg/mod.py",)
+    assert "return position // block" in (overlay / "pkg" / "mod.py").read_text()
+    assert (bundle / "pkg" / "mod.py").read_text() == ORIGINAL
+    patching.check_overlay_imported(sys.executable, environ, overlay, package="pkg")
+    with pytest.raises(UserError, match="not from the overlay"):
+        patching.check_overlay_imported(sys.executable, environ, tmp_path / "empty", package="pkg")
+
+
+def test_a_gpu_mutant_asked_for_on_a_cpu_box_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from glm5_matrix.mutants import run
+
+    monkeypatch.setenv("GLM5_MATRIX_GPUS", "")
+    monkeypatch.setenv(run.OUT_VARIABLE, str(tmp_path))
+    name = "simple-offload-load-block-off-by-one"
+    assert run.main(["--only", name, "--", "--kernel-archive", "/x.tar.gz"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and name in err[0] and "not runnable here" in err[0]
+    assert not (tmp_path / record.RESULTS_FILE).exists()  # the record is left as it was
+
+
+def test_not_run_here_leaves_a_verdict_measured_elsewhere() -> None:
+    measured = {"name": "m", "status": "caught"}
+    assert record.merge([measured], [{"name": "m", "status": "not-run"}], "name") == [measured]
+    newer = {"name": "m", "status": "survived"}
+    assert record.merge([measured], [newer], "name") == [newer]
+
+
 def test_the_shipped_patches_are_unified_diffs_of_vllm_files() -> None:
     for patch in sorted((ROOT / catalogue.PATCHES_DIR).glob("*.patch")):
         text = patch.read_text()
