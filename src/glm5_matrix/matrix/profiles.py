@@ -2,6 +2,10 @@
 
 `profiles/NAME/profile.toml` holds the expectations (each tolerance with its reason);
 `profiles/NAME/config.json`, where present, is the model config. Profiles are data.
+
+A profile may start from another (`extends = "NAME"` at its top): the base's tables, with this
+profile's keys over them table by table, so a variant states only what differs (and the base's
+tolerances keep their one reason, where they were measured, in one file). One level only.
 """
 
 from __future__ import annotations
@@ -53,13 +57,44 @@ def profile_names() -> list[str]:
     return sorted(p.parent.name for p in profiles_dir().glob("*/profile.toml"))
 
 
-def load_profile(name: str) -> Profile:
-    directory = profiles_dir() / name
-    path = directory / "profile.toml"
+def _over(base: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `own`'s keys over it, tables merged key by key."""
+    merged = dict(base)
+    for key, value in own.items():
+        below = merged.get(key)
+        if isinstance(value, dict) and isinstance(below, dict):
+            merged[key] = _over(below, value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _read(name: str) -> tuple[Path, dict[str, Any]]:
+    path = profiles_dir() / name / "profile.toml"
     if not path.is_file():
         raise UserError(
             f"unknown profile {name!r} (profiles: {', '.join(profile_names()) or 'none'})"
         )
-    data = load_toml(path, "profile")
+    return path, load_toml(path, "profile")
+
+
+def profile_chain(name: str, root: Path) -> list[str]:
+    """The profile and the one it extends, if any (profiles under `root`, a checkout): the
+    profile folders a cell's outcome reads. A profile not there is just its own name."""
+    path = root / "profiles" / name / "profile.toml"
+    base = load_toml(path, "profile").get("extends") if path.is_file() else None
+    return [name, base] if isinstance(base, str) else [name]
+
+
+def load_profile(name: str) -> Profile:
+    path, data = _read(name)
+    base = data.pop("extends", None)
+    if base is not None:
+        if not isinstance(base, str):
+            raise UserError(f"{path}: extends must be a profile name (a string)")
+        base_data = _read(base)[1]
+        if "extends" in base_data:
+            raise UserError(f"{path}: extends {base!r}, which extends another (one level only)")
+        data = _over(base_data, data)
     check_profile(path, data)  # a typo is one line here, before any environment or engine
-    return Profile(name=name, directory=directory, data=data)
+    return Profile(name=name, directory=path.parent, data=data)

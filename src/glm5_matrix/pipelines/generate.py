@@ -39,6 +39,7 @@ from glm5_matrix.matrix.matrix import (
     load_matrix,
     parse_compute_capability,
 )
+from glm5_matrix.matrix.profiles import profile_chain
 
 KINDS = ("buildkite", "github")
 CPU_QUEUE = "cpu"
@@ -116,11 +117,11 @@ def harness_paths(matrix: Matrix, variant: Variant) -> list[str]:
     that for each cell it runs (`runs`)."""
     cell = variant.cell
     paths = [*NOX_READS, f"constraints/{variant.env}.txt"]
-    if cell.profile:
-        paths.append(f"profiles/{cell.profile}/**")
+    root = matrix.source.parent
+    if cell.profile:  # and the profile it extends
+        paths += [f"profiles/{name}/**" for name in profile_chain(cell.profile, root)]
     if cell.tests:
         paths += PYTEST_READS
-    root = matrix.source.parent
     for test in cell.tests:
         test = test.split("::")[0]
         paths.append(test if test.endswith(".py") else f"{test.rstrip('/')}/**")

@@ -20,8 +20,9 @@ def _data(name: str) -> dict:
 
 @pytest.mark.parametrize("name", profile_names())
 def test_every_bundled_profile_is_well_formed(name: str) -> None:
-    assert profile_schema.problems(_data(name)) == []
-    load_profile(name)
+    # as loaded: a profile that extends another is checked with its base's tables under it
+    # (its own keys among them, so a typo in it is still named)
+    assert profile_schema.problems(load_profile(name).data) == []
 
 
 def test_a_typo_is_named_with_the_keys_known_there() -> None:
@@ -68,3 +69,59 @@ def test_load_profile_refuses_a_bad_profile_in_one_line(
     message = str(raised.value)
     assert "\n" not in message
     assert message == f"{folder / 'profile.toml'}: prompts.max_tokens must be int, not float (2.5)"
+
+
+def _profile(root: Path, name: str, text: str) -> Path:
+    folder = root / "profiles" / name
+    folder.mkdir(parents=True)
+    (folder / "profile.toml").write_text(text)
+    return folder / "profile.toml"
+
+
+def test_a_profile_extends_another_table_by_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = (profiles_dir() / "tiny-hybrid-cpu" / "profile.toml").read_text()
+    _profile(tmp_path, "base", base)
+    _profile(
+        tmp_path,
+        "variant",
+        'extends = "base"\n[model.config]\nnum_attention_heads = 8\n[tolerances]\nmin_power = 3.0\n',
+    )
+    monkeypatch.setenv("GLM5_MATRIX_ROOT", str(tmp_path))
+    own, parent = load_profile("variant").data, tomllib.loads(base)
+    assert "extends" not in own
+    assert own["model"]["config"]["num_attention_heads"] == 8
+    assert own["tolerances"]["min_power"] == 3.0
+    # everything else is the base's, down to the keys beside an overridden one
+    assert own["model"]["config"]["hidden_size"] == parent["model"]["config"]["hidden_size"]
+    assert (
+        own["tolerances"]["min_median_margin_steps"]
+        == parent["tolerances"]["min_median_margin_steps"]
+    )
+    assert own["prompts"] == parent["prompts"]
+
+
+def test_the_tp_profile_is_the_tiny_hybrid_with_its_head_counts() -> None:
+    tp, base = load_profile("tiny-hybrid-cpu-tp").data, load_profile("tiny-hybrid-cpu").data
+    assert tp["tolerances"] == base["tolerances"] and tp["engine"] == base["engine"]
+    differ = {
+        k for k in base["model"]["config"] if tp["model"]["config"][k] != base["model"]["config"][k]
+    }
+    assert differ == {"num_attention_heads", "linear_num_key_heads", "linear_num_value_heads"}
+
+
+def test_extends_refuses_a_chain_and_an_unknown_base(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = (profiles_dir() / "tiny-hybrid-cpu" / "profile.toml").read_text()
+    _profile(tmp_path, "base", base)
+    _profile(tmp_path, "middle", 'extends = "base"\n')
+    chained = _profile(tmp_path, "chained", 'extends = "middle"\n')
+    _profile(tmp_path, "orphan", 'extends = "nowhere"\n')
+    monkeypatch.setenv("GLM5_MATRIX_ROOT", str(tmp_path))
+    with pytest.raises(UserError, match="one level only") as raised:
+        load_profile("chained")
+    assert str(raised.value).startswith(str(chained))
+    with pytest.raises(UserError, match="unknown profile 'nowhere'"):
+        load_profile("orphan")
