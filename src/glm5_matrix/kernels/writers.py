@@ -630,36 +630,15 @@ def attribute(changed: Mapping[str, list[str]], sightings: Iterable[Sighting]) -
             if found is not None and found[0] != UNSEEN:
                 writer, pids, command = found
                 writes.append(FileWrite(library, path, writer, writer == CELL, pids, command))
-            elif found is not None:  # only by processes gone before they were seen
-                writes.append(
-                    FileWrite(
-                        library,
-                        path,
-                        UNSEEN,
-                        False,
-                        why=f"written by process(es) gone before they were seen: {outsiders}",
-                    )
-                )
-            elif outsiders:
-                writes.append(
-                    FileWrite(
-                        library,
-                        path,
-                        UNSEEN,
-                        False,
-                        why=f"processes outside the cell were in the cache: {outsiders}",
-                    )
-                )
             else:
-                writes.append(
-                    FileWrite(
-                        library,
-                        path,
-                        UNSEEN,
-                        True,
-                        why="no process outside the cell was in the cache",
-                    )
-                )
+                if found is not None:  # only by processes gone before they were seen
+                    why = f"written by process(es) gone before they were seen: {outsiders}"
+                elif outsiders:
+                    why = f"processes outside the cell were in the cache: {outsiders}"
+                else:
+                    why = "no process outside the cell was in the cache"
+                counts = found is None and not outsiders
+                writes.append(FileWrite(library, path, UNSEEN, counts, why=why))
     return writes
 
 
