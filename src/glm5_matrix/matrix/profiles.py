@@ -16,9 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from glm5_matrix.errors import UserError, load_toml
-
-# repo_root lives with the other paths; kernels/, mutants/ and upstream/ still import it from here.
-from glm5_matrix.files import repo_root as repo_root
+from glm5_matrix.files import repo_root
 from glm5_matrix.matrix.profile_schema import check_profile
 
 

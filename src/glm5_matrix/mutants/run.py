@@ -35,10 +35,10 @@ from pathlib import Path
 
 from glm5_matrix.envs import environments
 from glm5_matrix.errors import UserError
+from glm5_matrix.files import repo_root
 from glm5_matrix.kernels import kernel_cache
 from glm5_matrix.machine import hardware
 from glm5_matrix.matrix.matrix import Matrix, Variant
-from glm5_matrix.matrix.profiles import repo_root
 from glm5_matrix.mutants import catalogue, patching, record, verdicts
 from glm5_matrix.mutants.catalogue import Mutant
 from glm5_matrix.results import schema

@@ -23,9 +23,8 @@ from typing import Any
 
 from glm5_matrix.envs import environments
 from glm5_matrix.errors import UserError
-from glm5_matrix.files import write_json_atomic
+from glm5_matrix.files import repo_root, write_json_atomic
 from glm5_matrix.machine import kill_domain
-from glm5_matrix.matrix.profiles import repo_root
 from glm5_matrix.results import schema
 from glm5_matrix.upstream import findings, outcome, patching
 
