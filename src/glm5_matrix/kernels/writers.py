@@ -12,7 +12,9 @@ every process it may read in /proc:
 
 - its open files under a watched library folder that are open for writing (/proc/PID/fd and
   fdinfo's flags): a compiler writing an object in place (ninja's nvcc, cc1plus), or a library
-  writing a file;
+  writing a file; not a library's bookkeeping (kernel_cache.Library.bookkeeping): FlashInfer's
+  JIT log is open for appending in every process that logs, and its folder holds every module's
+  (seen on the H200: an engine core named the writer of a stranger's 80 module files);
 - the output its command line names (`-o PATH`, `--output-file PATH`): nvcc, ptxas, gcc and ld
   hold it from start to end of a compile that takes seconds to minutes (FlashInfer, DeepGEMM,
   TileLang, torch extensions);
@@ -556,7 +558,7 @@ class Watch:
                 fds = []
             except OSError:
                 continue
-            others = []  # its open files in the cache not open for writing
+            others = []  # its open files in the cache not open for writing (or bookkeeping)
             for fd in fds:
                 try:
                     target = os.readlink(f"/proc/{pid}/fd/{fd}")
@@ -565,7 +567,7 @@ class Watch:
                 place = self._where(target)
                 if place is None:
                     continue
-                if _writable(pid, fd):
+                if _writable(pid, fd) and kernel_cache.is_kernel(*place):
                     self._saw(pid, place[0], entry(*place), "open for writing")
                 else:
                     others.append(fd)

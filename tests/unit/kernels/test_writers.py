@@ -554,3 +554,83 @@ def test_an_unwatched_window_says_so_and_never_that_no_stranger_was_there() -> N
     assert write.why == writers.UNWATCHED_WHY
     (watched,) = writers.attribute(changed, ())
     assert watched.why != write.why  # the control: a watch that saw nobody says otherwise
+
+
+# --- a file every process keeps open -------------------------------------------------------------
+
+# FlashInfer's JIT logger: a FileHandler on flashinfer_jit.log, open for appending in every process
+# that logs (an engine core from its start to its end).
+LOGGER = r"""
+import os, sys, time
+path, done = sys.argv[1], sys.argv[2]
+os.makedirs(os.path.dirname(path), exist_ok=True)
+with open(path, "a") as log:
+    log.write("flashinfer.jit: Loading JIT ops\n")
+    log.flush()
+    deadline = time.monotonic() + 30
+    while not os.path.exists(done) and time.monotonic() < deadline:
+        time.sleep(0.01)
+"""
+# A stranger's tiny module build (1.4 s each on the H200): every file written at once, too fast to
+# be seen open; it stays alive a moment after, started pointed at the cache as any build by hand.
+QUICK = r"""
+import os, sys, time
+folder, go, done = sys.argv[1], sys.argv[2], sys.argv[3]
+deadline = time.monotonic() + 30
+while not os.path.exists(go) and time.monotonic() < deadline:
+    time.sleep(0.01)
+os.makedirs(folder, exist_ok=True)
+for name in ("build.ninja", "tiny.cuda.o", "tiny.so"):
+    with open(os.path.join(folder, name), "wb") as out:
+        out.write(b"x")
+open(done, "w").close()
+time.sleep(1.5)
+"""
+
+
+def test_a_log_every_process_keeps_open_does_not_make_the_cell_a_modules_writer(
+    cache: Path, tmp_path: Path
+) -> None:
+    """Seen on the H200 (offload-tp1(offloading), GLM5_MATRIX_STRICT=1, a stranger building a
+    tiny FlashInfer module every 1.4 s into the same cache): the start failed on 80 of the
+    stranger's module files, each counted as written by the cell's VLLM::EngineCore, which had
+    flashinfer_jit.log open for appending; that log's folder holds every module's folder, so the
+    sighting covered them all. A bookkeeping file open for writing names no kernel's writer."""
+    log = cache / "flashinfer/.cache/flashinfer/0.7.2/90a/flashinfer_jit.log"
+    module = f"{MODULES}/stranger_tiny_1"
+    go, done = tmp_path / "go", tmp_path / "done"
+    (tmp_path / "logger.py").write_text(LOGGER)
+    (tmp_path / "quick.py").write_text(QUICK)
+    stranger = start_stranger(
+        [
+            sys.executable,
+            str(tmp_path / "quick.py"),
+            str(cache / "flashinfer" / module),
+            str(go),
+            str(done),
+        ]
+    )
+    before = kernel_cache.snapshot()
+    watch = writers.Watch(cell=writers.Cell(domain={}), poll=0.05).start()
+    own = subprocess.Popen([sys.executable, str(tmp_path / "logger.py"), str(log), str(done)])
+    try:
+        deadline = time.monotonic() + 30
+        while not log.exists():
+            assert time.monotonic() < deadline, "the logger did not open its log"
+            time.sleep(0.01)
+        time.sleep(writers.MAX_WAIT_S + 0.2)  # the watch has seen the cell's log open
+        go.touch()
+        assert own.wait(timeout=30) == 0
+        time.sleep(writers.MAX_WAIT_S + 0.2)  # and the stranger, still alive
+    finally:
+        sightings = watch.stop()
+        if own.poll() is None:
+            own.kill()
+            own.wait()
+        if os.path.exists(f"/proc/{stranger}"):
+            os.kill(stranger, signal.SIGKILL)
+    writes = writers.attribute(kernel_cache.written(before, kernel_cache.snapshot()), sightings)
+    theirs = sorted(f"{module}/{name}" for name in ("build.ninja", "tiny.cuda.o", "tiny.so"))
+    assert sorted(w.path for w in writes) == theirs
+    assert [w.writer for w in writes] != [CELL] * 3
+    assert writers.counted(writes) == {"flashinfer": []}
