@@ -42,6 +42,17 @@ def rows_table(data: Mapping[str, Any], breaks: bool = True) -> list[str]:
     return lines
 
 
+def _none_judged(rows: list[Mapping[str, Any]], cell: str) -> str:
+    """Why a cell judged none of its mutants: not run on this box, or its control failed (seen
+    on the H200: a GPU cell whose control was red read "not run here (GPU)")."""
+    statuses = {row["status"] for row in rows if row["cell"] == cell}
+    if statuses == {"not-run"}:
+        return "not run here (GPU)"
+    if "invalid" in statuses:
+        return "none judged: its control failed"
+    return "none judged"
+
+
 def render(data: Mapping[str, Any]) -> str:
     rows = data.get("mutants", [])
     lines = [
@@ -55,7 +66,7 @@ def render(data: Mapping[str, Any]) -> str:
     summary = data.get("summary", {})
     lines += ["", "| cell | caught / judged |", "|---|---|"]
     for cell, rate in summary.get("per_cell", {}).items():
-        lines.append(f"| `{cell}` | {'not run here (GPU)' if rate == '0/0' else rate} |")
+        lines.append(f"| `{cell}` | {_none_judged(rows, cell) if rate == '0/0' else rate} |")
     lines.append(f"| **overall** | **{summary.get('overall', '0/0')}** |")
     controls = data.get("controls", [])
     if controls:
