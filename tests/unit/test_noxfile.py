@@ -159,13 +159,7 @@ def test_unreachable_torch_index_is_one_line_before_building(tmp_path):
             GLM5_MATRIX_VENVS=str(tmp_path / "venvs"),
             GLM5_MATRIX_RESULTS=str(tmp_path / "results"),
         )
-        result = subprocess.run(
-            [sys.executable, "-m", "nox", "-f", str(tmp_path / "noxfile.py"), "-s", "e2e-cpu"],
-            capture_output=True,
-            text=True,
-            env=environ,
-            timeout=300,
-        )
+        result = run_nox(tmp_path, ("-s", "e2e-cpu"), environ, timeout=300)
     assert result.returncode != 0
     lines = [line for line in result.stderr.splitlines() if "PyTorch's CPU index" in line]
     assert len(lines) == 1, result.stderr
