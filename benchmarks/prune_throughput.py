@@ -35,8 +35,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "tests" / "unit"))  # the synthetic checkpoint, test scaffolding
 
-from glm5_matrix.checkpoints import synthetic  # noqa: E402
+import synthetic_checkpoint as synthetic  # noqa: E402
 
 # Widths under which the expert count is scaled to reach the target size.
 BENCH_TEXT_WIDTHS = {

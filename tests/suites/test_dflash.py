@@ -29,7 +29,8 @@ from glm5_matrix.engines.specs import engine_spec
 from glm5_matrix.matrix.context import CellContext
 from glm5_matrix.matrix.profiles import Profile
 from glm5_matrix.models.drafters import Drafter, dflash_table, resolve_drafter
-from glm5_matrix.models.layout import LayoutPlan, plan_layout, text_config
+from glm5_matrix.models.glm_config import text_config
+from glm5_matrix.models.layout import LayoutPlan, plan_layout
 from glm5_matrix.results.recorder import record_figure
 from glm5_matrix.verdicts import judging
 from glm5_matrix.verdicts.compare import GreedyOutput

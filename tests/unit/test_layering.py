@@ -26,8 +26,8 @@ ROOMS = (
     "models",
     "checkpoints",
     "engines",
-    "upstream",  # nox -s upstream: the reproductions of vLLM defects (upstream/ at the root)
     "sessions",
+    "upstream",  # nox -s upstream: the reproductions of vLLM defects (upstream/ at the root)
     "mutants",  # plants regressions in copies of the cells' environments and runs the cells
     "cli",  # the entry point: it finds its subcommands' modules by name
 )

@@ -159,13 +159,7 @@ def test_unreachable_torch_index_is_one_line_before_building(tmp_path):
             GLM5_MATRIX_VENVS=str(tmp_path / "venvs"),
             GLM5_MATRIX_RESULTS=str(tmp_path / "results"),
         )
-        result = subprocess.run(
-            [sys.executable, "-m", "nox", "-f", str(tmp_path / "noxfile.py"), "-s", "e2e-cpu"],
-            capture_output=True,
-            text=True,
-            env=environ,
-            timeout=300,
-        )
+        result = run_nox(tmp_path, ("-s", "e2e-cpu"), environ, timeout=300)
     assert result.returncode != 0
     lines = [line for line in result.stderr.splitlines() if "PyTorch's CPU index" in line]
     assert len(lines) == 1, result.stderr
@@ -256,3 +250,30 @@ def test_noxfile_needs_the_nox_the_readme_installs():
     readme = (repo_root() / "README.md").read_text()
     installed = set(re.findall(r'pip install "nox(>=[0-9.]+)"', readme))
     assert installed == {declared.group(1)}, (installed, declared.group(1))
+
+
+@pytest.mark.parametrize("cell", ["layout", "metadata"])
+def test_a_profile_typo_is_one_line_before_anything_is_built(tmp_path, cell):
+    """Cells whose suite reads no weights (layout, metadata, noise, dflash) had their profile
+    loaded only inside pytest, after their environment was built. A vLLM wheel that is not
+    there stands in for the build: it is refused only after the profile, never before."""
+    for name in ("noxfile.py", "matrix.toml", "envs", "constraints", "profiles", "src"):
+        source = ROOT / name
+        (shutil.copytree if source.is_dir() else shutil.copy)(source, tmp_path / name)
+    profile = tmp_path / "profiles" / "glm-5.3-flash-4l" / "profile.toml"
+    profile.write_text(profile.read_text() + "\n[prompt]\nmax_tokens = 3\n")
+    venvs = tmp_path / "venvs"
+    result = nox(
+        "-s",
+        cell,
+        root=tmp_path,
+        GLM5_MATRIX_ROOT=str(tmp_path),
+        GLM5_MATRIX_VENVS=str(venvs),
+        GLM5_MATRIX_VLLM=str(tmp_path / "vllm-9.9.9.whl"),
+    )
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if "unknown key 'prompt'" in line]
+    assert len(lines) == 1, result.stderr
+    assert str(profile) in lines[0]
+    assert "wheel file not found" not in result.stderr
+    assert not venvs.exists()

@@ -23,12 +23,10 @@ One module per concern, each readable alone:
 from glm5_matrix.checkpoints.card import model_card
 from glm5_matrix.checkpoints.commands import DEFAULT_LAYERS, register, run_prune, run_verify
 from glm5_matrix.checkpoints.config import (
-    GLM_MODEL_TYPES,
     LINEAR_ATTENTION,
     ConfigEdit,
     load_glm_config,
     pruned_config,
-    text_config,
 )
 from glm5_matrix.checkpoints.manifest import MANIFEST_NAME, format_manifest, read_manifest
 from glm5_matrix.checkpoints.plan import (
@@ -60,7 +58,6 @@ from glm5_matrix.checkpoints.writer import execute_prune
 
 __all__ = [
     "DEFAULT_LAYERS",
-    "GLM_MODEL_TYPES",
     "INDEX_NAME",
     "LINEAR_ATTENTION",
     "MANIFEST_NAME",
@@ -92,6 +89,5 @@ __all__ = [
     "run_prune",
     "run_verify",
     "split_layer_key",
-    "text_config",
     "verify_checkpoint",
 ]

@@ -5,10 +5,11 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from glm5_matrix.checkpoints.config import mtp_count, text_config
+from glm5_matrix.checkpoints.config import mtp_count
 from glm5_matrix.checkpoints.manifest import MANIFEST_NAME, sha256_file
 from glm5_matrix.checkpoints.plan import PROVENANCE_NAME, PrunePlan, format_size
 from glm5_matrix.checkpoints.reading import INDEX_NAME
+from glm5_matrix.models.glm_config import text_config
 
 
 def provenance(plan: PrunePlan) -> dict[str, Any]:

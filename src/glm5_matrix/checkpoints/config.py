@@ -1,4 +1,6 @@
-"""The GLM-5.3-Flash config: read and checked, and cut to the first N decoder layers.
+"""The GLM-5.3-Flash config of a checkpoint: read and checked, and cut to the first N decoder
+layers. Its decoder fields are found by glm5_matrix.models.glm_config.text_config, the one
+reader of the config the layout planner uses too.
 
 pruned_config keeps layers 0..N-1 and the MTP layer(s), renumbered to follow them (45 -> N), so
 vLLM builds exactly the full model's first N layers; every width stays the full model's.
@@ -14,11 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from glm5_matrix.errors import UserError
+from glm5_matrix.models.glm_config import GLM_MODEL_TYPES, text_config
 
-GLM_MODEL_TYPES = {
-    "Glm5NextForConditionalGeneration": "glm5_next",
-    "Glm5NextForCausalLM": "glm5_next_text",
-}
 LINEAR_ATTENTION = "linear_attention"
 # Per-layer lists of the text config, cut to the kept layers.
 _PER_LAYER_LISTS = ("layer_types", "mlp_layer_types", "indexer_types", "index_topk_pattern")
@@ -51,7 +50,10 @@ def load_glm_config(directory: Path) -> dict[str, Any]:
             f"{model_type!r}; expected Glm5NextForConditionalGeneration/glm5_next or "
             "Glm5NextForCausalLM/glm5_next_text)"
         )
-    text = text_config(config)
+    try:
+        text = text_config(config)
+    except UserError as exc:
+        raise UserError(f"{path}: {exc}") from None
     for key in ("num_hidden_layers", "layer_types"):
         if key not in text:
             raise UserError(f"{path}: GLM-5.3-Flash config without {key}")
@@ -61,12 +63,6 @@ def load_glm_config(directory: Path) -> dict[str, Any]:
             f"num_hidden_layers {text['num_hidden_layers']}"
         )
     return config
-
-
-def text_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The dict holding the decoder fields: text_config (multimodal) or the top level."""
-    nested = config.get("text_config")
-    return nested if isinstance(nested, dict) else config
 
 
 def mtp_count(config: dict[str, Any]) -> int:

@@ -19,12 +19,12 @@ from glm5_matrix.checkpoints.config import (
     mtp_count,
     new_layer_index,
     pruned_config,
-    text_config,
 )
 from glm5_matrix.checkpoints.manifest import MANIFEST_NAME
 from glm5_matrix.checkpoints.reading import INDEX_NAME, Checkpoint, split_layer_key
 from glm5_matrix.checkpoints.safetensors_header import TensorEntry, encode_header
 from glm5_matrix.errors import UserError
+from glm5_matrix.models.glm_config import text_config
 
 PROVENANCE_NAME = "glm5-matrix-prune.json"
 MODEL_CARD_NAME = "README.md"

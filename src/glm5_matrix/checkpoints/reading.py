@@ -8,9 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from glm5_matrix.checkpoints.config import load_glm_config, text_config
+from glm5_matrix.checkpoints.config import load_glm_config
 from glm5_matrix.checkpoints.safetensors_header import ShardHeader, TensorEntry, read_shard_header
 from glm5_matrix.errors import UserError
+from glm5_matrix.models.glm_config import text_config
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_SHARD_NAME = "model.safetensors"

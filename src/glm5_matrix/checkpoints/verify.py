@@ -12,11 +12,11 @@ from glm5_matrix.checkpoints.config import (
     layer_list_base,
     load_glm_config,
     mtp_count,
-    text_config,
 )
 from glm5_matrix.checkpoints.manifest import MANIFEST_NAME, read_manifest, sha256_file
 from glm5_matrix.checkpoints.reading import open_checkpoint, split_layer_key
 from glm5_matrix.errors import UserError
+from glm5_matrix.models.glm_config import text_config
 
 # One tensor that each kind of layer must carry (published names); a misnumbered or mixed-up
 # layer lacks it.

@@ -32,7 +32,7 @@ from typing import Any
 from glm5_matrix.cache import ensure_folder
 from glm5_matrix.errors import UserError
 from glm5_matrix.matrix.profiles import Profile
-from glm5_matrix.models.layout import text_config
+from glm5_matrix.models.glm_config import required, text_config
 
 DRAFT_VARIABLE = "GLM5_DFLASH2_DRAFT"
 DRAFT_ARCHITECTURE = "DFlash2DraftModel"
@@ -103,7 +103,7 @@ def retarget_taps(hf_config: Any, taps: Sequence[int]) -> Any:
 def synthesize_config(target_config: Mapping[str, Any], table: Mapping[str, Any]) -> dict[str, Any]:
     """The drafter's config.json: the profile's [dflash.config], the target's widths, the taps."""
     text = text_config(dict(target_config))
-    target_layers = int(text["num_hidden_layers"])
+    target_layers = required(text, "num_hidden_layers")
     taps = check_taps(table.get("target_layer_ids"), target_layers, "[dflash]")
     own = dict(table.get("config") or {})
     clash = sorted(set(own) & set(_FROM_TARGET))
@@ -111,7 +111,7 @@ def synthesize_config(target_config: Mapping[str, Any], table: Mapping[str, Any]
         raise UserError(f"[dflash.config]: {clash[0]!r} comes from the target, not the profile")
     if own.get("architectures") != [DRAFT_ARCHITECTURE]:
         raise UserError(f"[dflash.config]: architectures must be [{DRAFT_ARCHITECTURE!r}]")
-    hidden, vocab = int(text["hidden_size"]), int(text["vocab_size"])
+    hidden, vocab = required(text, "hidden_size"), required(text, "vocab_size")
     extras = dict(own.pop("dflash_config", {}))
     group = int(extras.get("conv_group_size", 1))
     if hidden % group:
@@ -164,7 +164,7 @@ def resolve_drafter(
 
 def profile_taps(profile: Profile) -> tuple[int, ...]:
     """The taps the profile retargets a drafter to, checked against the target's layers."""
-    target_layers = int(text_config(profile.config())["num_hidden_layers"])
+    target_layers = required(text_config(profile.config()), "num_hidden_layers")
     return check_taps(dflash_table(profile).get("target_layer_ids"), target_layers, "[dflash]")
 
 

@@ -22,9 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from glm5_matrix.errors import UserError
+from glm5_matrix.models.glm_config import required, text_config
 
-ARCHITECTURES = ("Glm5NextForConditionalGeneration", "Glm5NextForCausalLM")
-MODEL_TYPES = ("glm5_next", "glm5_next_text")
 KV_CACHE_DTYPES = ("auto", "fp8")
 
 # Bytes per element of the dtypes a config names.
@@ -121,34 +120,6 @@ class LayoutPlan:
         return "\n".join(lines)
 
 
-def text_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The text part of a GLM-5.3-Flash config (multimodal or text-only), else UserError."""
-    if not isinstance(config, dict):
-        raise UserError("config is not a JSON object")
-    architectures = config.get("architectures") or []
-    model_type = config.get("model_type")
-    if model_type not in MODEL_TYPES and not set(architectures) & set(ARCHITECTURES):
-        raise UserError(
-            f"not a GLM-5.3-Flash config (model_type {model_type!r}, architectures "
-            f"{architectures}; expected {' or '.join(ARCHITECTURES)})"
-        )
-    if model_type == "glm5_next" or "text_config" in config:
-        text = config.get("text_config")
-        if not isinstance(text, dict):
-            raise UserError("multimodal GLM-5.3-Flash config without a text_config object")
-        return text
-    return config
-
-
-def _field(text: dict[str, Any], name: str, kind: type = int) -> Any:
-    value = text.get(name)
-    if value is None:
-        raise UserError(f"config is missing {name}")
-    if not isinstance(value, kind) or isinstance(value, bool):
-        raise UserError(f"config field {name} must be {kind.__name__}, got {value!r}")
-    return value
-
-
 def plan_layout(
     config: dict[str, Any],
     tp: int,
@@ -170,27 +141,27 @@ def plan_layout(
     if block_size is not None and block_size < 1:
         raise UserError(f"--block-size must be >= 1, got {block_size}")
 
-    layer_types = _field(text, "layer_types", list)
+    layer_types = required(text, "layer_types", list)
     kda_layers = [i for i, kind in enumerate(layer_types) if kind == "linear_attention"]
     dsa_layers = [i for i, kind in enumerate(layer_types) if kind != "linear_attention"]
     if not kda_layers or not dsa_layers:
         raise UserError("layer_types must hold both linear_attention (KDA) and DSA layers")
-    linear = _field(text, "linear_attn_config", dict)
+    linear = required(text, "linear_attn_config", dict)
     listed = linear.get("kda_layers")
     if listed is not None and sorted(listed) != kda_layers:
         raise UserError(
             f"linear_attn_config.kda_layers {listed} disagrees with layer_types (KDA layers "
             f"{kda_layers}; the lists are 0-based)"
         )
-    heads = _field(linear, "num_heads")
-    head_dim = _field(linear, "head_dim")
-    conv_kernel = _field(linear, "short_conv_kernel_size")
+    heads = required(linear, "num_heads")
+    head_dim = required(linear, "head_dim")
+    conv_kernel = required(linear, "short_conv_kernel_size")
     if heads % tp:
         raise UserError(f"--tp {tp} does not divide the {heads} KDA heads")
-    kv_lora_rank = _field(text, "kv_lora_rank")
-    rope_dim = _field(text, "qk_rope_head_dim")
-    kpool = _field(text, "index_kpool")
-    index_head_dim = _field(text, "index_head_dim")
+    kv_lora_rank = required(text, "kv_lora_rank")
+    rope_dim = required(text, "qk_rope_head_dim")
+    kpool = required(text, "index_kpool")
+    index_head_dim = required(text, "index_head_dim")
     if kpool < 2:
         raise UserError(f"index_kpool must be > 1, got {kpool}")
     model_dtype = text.get("dtype") or text.get("torch_dtype") or config.get("dtype")
@@ -296,9 +267,9 @@ def _drafter_group(drafter: Mapping[str, Any], tp: int, block: int, kv_bytes: in
     """A drafter's GQA layers: one FullAttentionSpec page per layer of K and V for its KV heads
     on this rank (replicated when TP exceeds them)."""
     config = dict(drafter)
-    layers = _field(config, "num_hidden_layers")
-    kv_heads = max(1, _field(config, "num_key_value_heads") // tp)
-    head_dim = _field(config, "head_dim")
+    layers = required(config, "num_hidden_layers")
+    kv_heads = max(1, required(config, "num_key_value_heads") // tp)
+    head_dim = required(config, "head_dim")
     per_token = 2 * kv_heads * head_dim * kv_bytes
     return LayoutGroup(
         kind="draft",

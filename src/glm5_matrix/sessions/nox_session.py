@@ -1,7 +1,8 @@
-"""What the sessions room asks of the nox session it is handed (the noxfile's nox.Session): a
-structural type, so that the room's functions are typed without the package importing nox.
-Only the parts the room uses, spelled as nox.Session spells them; mypy checks the noxfile's
-nox.Session against it where the noxfile passes one in."""
+"""What the session bodies ask of the nox session they are handed (the noxfile's nox.Session):
+this room's and the rooms above it that run as a nox session (upstream: `nox -s upstream`). A
+structural type, so that their functions are typed without the package importing nox. Only the
+parts they use, spelled as nox.Session spells them; mypy checks the noxfile's nox.Session
+against it where the noxfile passes one in."""
 
 from __future__ import annotations
 

@@ -92,6 +92,13 @@ def resolve_weights(
     return cell_context.Weights(kind=default, source="profile")
 
 
+def check_profile(variant: Variant) -> None:
+    """The cell's profile, loaded and so checked (profile_schema) before anything is built, for
+    every suite: a typo in it is one line here, not a pytest error after the environment."""
+    if variant.cell.profile is not None:
+        load_profile(variant.cell.profile)
+
+
 def check_drafter(variant: Variant, environ: dict[str, str]) -> None:
     """A drafter named by GLM5_DFLASH2_DRAFT for a DFlash cell must be one (one line if not)."""
     named = environ.get(drafters.DRAFT_VARIABLE)
@@ -158,6 +165,7 @@ def _run_variant(
     try:
         posargs = session.posargs if call.posargs is None else call.posargs
         options = parse_posargs(list(posargs), environ)
+        check_profile(variant)
         model_source = resolve_weights(variant, options.model, environ)
         check_drafter(variant, environ)
         found = hardware.detect(environ)

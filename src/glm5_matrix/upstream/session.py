@@ -19,13 +19,13 @@ import subprocess
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 from glm5_matrix.envs import environments
 from glm5_matrix.errors import UserError
 from glm5_matrix.files import repo_root, write_json_atomic
 from glm5_matrix.machine import kill_domain
 from glm5_matrix.results import schema
+from glm5_matrix.sessions.nox_session import NoxSession
 from glm5_matrix.upstream import findings, outcome, patching
 
 ENV = "cpu"
@@ -45,8 +45,8 @@ def parse(posargs: list[str], known: list[str]) -> argparse.Namespace:
     return args
 
 
-def run(session: Any) -> None:
-    """`session` is a nox.Session."""
+def run(session: NoxSession) -> None:
+    """`session` is the noxfile's nox.Session."""
     environ = dict(os.environ)
     root = repo_root()
     try:
@@ -117,7 +117,7 @@ def _vllm_version(python: Path, env: dict[str, str]) -> str | None:
 
 
 def _run(
-    session: Any,
+    session: NoxSession,
     finding: findings.Finding,
     control: findings.Control | None,
     python: Path,

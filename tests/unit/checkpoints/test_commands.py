@@ -1,7 +1,7 @@
 """`glm5-matrix prune` / `verify` on a synthetic full GLM-5.3-Flash checkpoint (45 layers + MTP).
 
-The source is written by glm5_matrix.checkpoints.synthetic at tiny widths with the published tensor names
-and dtypes; every expectation below is derived here from the source itself, read back with
+The source is written by synthetic_checkpoint (tests/unit) at tiny widths with the published
+tensor names and dtypes; every expectation below is derived here from the source itself, read back with
 the `safetensors` library, never from the pruner's own plan.
 """
 
@@ -20,10 +20,11 @@ from pathlib import Path
 
 import pytest
 import scaffold
+import synthetic_checkpoint as synthetic
 from safetensors import deserialize, safe_open
 
 from glm5_matrix import checkpoints
-from glm5_matrix.checkpoints import copying, synthetic
+from glm5_matrix.checkpoints import copying
 from glm5_matrix.errors import UserError
 
 LAYER = re.compile(r"^(model\.language_model\.layers|model\.layers)\.(\d+)\.(.+)$")

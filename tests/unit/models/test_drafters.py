@@ -14,7 +14,8 @@ import pytest
 from glm5_matrix.errors import UserError
 from glm5_matrix.matrix.profiles import Profile, load_profile
 from glm5_matrix.models import drafters
-from glm5_matrix.models.layout import plan_layout, text_config
+from glm5_matrix.models.glm_config import text_config
+from glm5_matrix.models.layout import plan_layout
 
 PROFILE = "glm-5.3-flash-4l"
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from scaffold import environ_without, run_cli
+from scaffold import environ_without, run_cli, run_nox
 
 from glm5_matrix.files import repo_root
 from glm5_matrix.pipelines import checks as pipeline_checks
@@ -126,13 +126,7 @@ def test_github_workflow_lists_sessions_the_cookbook_way(matrix):
 
 
 def _sessions(tmp_path: Path) -> Path:
-    listed = subprocess.run(
-        [sys.executable, "-m", "nox", "-f", str(ROOT / "noxfile.py"), "-l", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=environ_without(),
-    )
+    listed = run_nox(ROOT, ("-l", "--json"), environ_without(), timeout=120)
     if listed.returncode:
         pytest.skip(f"nox is not usable here: {listed.stderr.strip()[-200:]}")
     path = tmp_path / "sessions.json"
@@ -183,33 +177,12 @@ def test_github_matrix_keeps_only_the_cells_a_vllm_change_affects(tmp_path):
 def test_nox_session_writes_the_pipeline(tmp_path):
     """`nox -s pipeline -- github --output FILE` for real: the tool runs in the harness env."""
     path = tmp_path / "workflow.yml"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "nox",
-            "-f",
-            str(ROOT / "noxfile.py"),
-            "-s",
-            "pipeline",
-            "--",
-            "github",
-            "--output",
-            str(path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=environ_without(),
+    result = run_nox(
+        ROOT, ("-s", "pipeline", "--", "github", "--output", str(path)), environ_without(), 600
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert check_jsonschema("github", path).returncode == 0
-    refused = subprocess.run(
-        [sys.executable, "-m", "nox", "-f", str(ROOT / "noxfile.py"), "-s", "pipeline"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    refused = run_nox(ROOT, ("-s", "pipeline"), os.environ, timeout=120)
     assert refused.returncode != 0 and "say which" in refused.stderr
 
 

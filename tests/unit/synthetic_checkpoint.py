@@ -1,7 +1,9 @@
 """A synthetic full GLM-5.3-Flash checkpoint: the real structure at tiny widths.
 
-For the pruner's tests and benchmark, which need a real 45-layer checkpoint on disk without
-downloading 330 GB. What is real here: the config's structure (45 decoder layers, their
+For the pruner's tests (tests/unit/checkpoints/test_commands.py) and its benchmark
+(benchmarks/prune_throughput.py), which need a real 45-layer checkpoint on disk without
+downloading 330 GB: test scaffolding, not the harness (no cell or suite uses it), so it lives
+with the unit tests' shared helpers. What is real here: the config's structure (45 decoder layers, their
 attention/MLP schedule, the MTP layer, linear_attn_config, indexer_types, the fp8 block
 quantization), the tensor names, which tensors are fp8 with a `weight_scale_inv` companion
 and which are bf16 or fp32, and the shape relations between them. What is not: the widths
@@ -31,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from glm5_matrix.models.glm_config import text_config
 
 DSA = "deepseek_sparse_attention"
 KDA = "linear_attention"
@@ -240,17 +244,13 @@ def full_config(
     return config
 
 
-def _text_fields(config: dict[str, Any]) -> dict[str, Any]:
-    return config.get("text_config", config)
-
-
 def _prefix(config: dict[str, Any]) -> str:
     return "model.language_model" if "text_config" in config else "model"
 
 
 def tensor_plan(config: dict[str, Any]) -> list[SyntheticTensor]:
     """Every tensor of the full checkpoint for this config: name, dtype, shape."""
-    text = _text_fields(config)
+    text = text_config(config)
     block = config["quantization_config"]["weight_block_size"]
     prefix = _prefix(config)
     h = text["hidden_size"]
