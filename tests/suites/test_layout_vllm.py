@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from glm5_matrix.matrix.profiles import Profile
+from glm5_matrix.models.glm_config import required, text_config
 from glm5_matrix.models.layout import LayoutPlan, plan_layout
 from glm5_matrix.results.recorder import record_figure
 
@@ -179,7 +180,7 @@ def test_dflash_taps_reach_vllms_draft_config(profile, tmp_path, drafter_kind) -
         assert speculative.draft_model_config.architectures == ["DFlash2DraftModel"]
         return tuple(get_eagle3_aux_layers_from_config(speculative))
 
-    layers = profile.config()["text_config"]["num_hidden_layers"]
+    layers = required(text_config(profile.config()), "num_hidden_layers")
     assert aux_ids(drafter.hf_overrides()) == tuple(range(layers + 1))
     if drafter_kind != "synthesized":
         # Without the override, vLLM takes the trained taps as they are: past the last layer.
