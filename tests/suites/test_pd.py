@@ -619,3 +619,209 @@ def test_prefiller_with_other_weights_is_refused(record: Record, profile: Profil
     )
     steps = compare.check_exact(record.first.decode, again.decode, ("first", "after the refusal"))
     print(f"first P->D vs P->D after the refusal: {steps} steps bitwise equal")
+
+
+# --- A partial prefix hit on D (#35) ---------------------------------------------------------
+#
+# Every P -> D request above is on a prompt D never saw (0 local hits) or a full local hit on D
+# (the repeat: nothing pulled), so vLLM's NIXL code for a partial hit on D
+# (nixl/base_worker.py `_apply_prefix_caching`: D needs fewer attention blocks than P sends and
+# must read P's TAIL blocks) never ran; the catalogue's nixl-decode-prefix-hit-reads-head-blocks
+# survived for that. This request extends the judged prompt, whose whole blocks D has cached, by
+# PARTIAL_HIT_NEW_BLOCKS blocks and one token, so that D serves the cached blocks itself, pulls
+# only the new ones (and the state after N-1) from P, and N-1 still ends on a block boundary
+# (the bitwise promise of test_disaggregated_output_matches_single_server).
+
+# Blocks of new tokens after the judged prompt's cached ones; fewer than those (2 in both
+# profiles), so that the pull moves fewer attention blocks than the cold first P -> D did.
+PARTIAL_HIT_NEW_BLOCKS = 1
+PARTIAL_HIT_SEED = 6  # its new tokens (seeds 0-5 are the other prompts of this module)
+
+
+@dataclass(frozen=True)
+class PartialHit:
+    """The partial-hit request, P alone's references on its prompt, and what D did with it."""
+
+    prompt: list[int]
+    cached_blocks: int  # whole blocks of it D holds before: the judged prompt's
+    references: list[disagg.Completion]  # P alone, [pd.tolerances] reference_repeats times
+    moved: disagg.Disaggregated  # P -> D
+    counters: disagg.TransferCounters  # D's counters moved by the P -> D request
+    attention_groups: list[int]
+    mamba_groups: list[int]
+    column: int  # the Mamba column of the state after N-1 (checkpoint_column)
+    p_alone: dict[transfers.PageKey, tuple[str, ...]]  # located in P alone's own table
+    decode: dict[transfers.PageKey, tuple[str, ...]]  # located in D's table of the request
+
+
+def _partial_hit_pages(
+    server: servers.VllmServer,
+    table: list[list[int]],
+    whole_blocks: int,
+    attention: list[int],
+    mamba: list[int],
+    column: int,
+    layers: list[list[str]],
+) -> dict[transfers.PageKey, tuple[str, ...]]:
+    """The pages a request of `whole_blocks` computed blocks holds where the harness computes
+    them: every attention block below whole_blocks, and each Mamba group's state in `column`."""
+    keys, reads = transfers.table_pages(table, whole_blocks, attention, layers)
+    more_keys, more_reads = transfers.located_pages(table, column, mamba, layers)
+    digests = server.worker_rpc("glm5_page_digests", json.dumps(reads + more_reads))[0]
+    return transfers.keyed_reads(keys + more_keys, digests)
+
+
+@pytest.fixture(scope="module")
+def partial_hit(record: Record, profile: Profile) -> PartialHit:
+    pd = _pd(profile)
+    p, d, block = record.prefill_server, record.decode_server, record.block_size
+    timeout, max_tokens = float(pd["request_timeout_s"]), int(pd["max_tokens"])
+    cached_blocks = (len(record.prompt) - 1) // block  # D cached them in the first P -> D
+    assert 0 < PARTIAL_HIT_NEW_BLOCKS < cached_blocks, (PARTIAL_HIT_NEW_BLOCKS, cached_blocks)
+    new = _prompt(record.model, PARTIAL_HIT_NEW_BLOCKS * block + 1, seed=PARTIAL_HIT_SEED)
+    prompt = record.prompt[: cached_blocks * block] + new
+    _start_recording(p)
+    references = [
+        disagg.complete(
+            p.url, SERVED_MODEL, prompt, max_tokens, timeout=timeout, top_logprobs=TOP_LOGPROBS
+        )
+        for _ in range(int(pd["tolerances"]["reference_repeats"]))
+    ]
+    recorded = p.worker_rpc("glm5_recorded_block_tables", "true")[0]
+    assert recorded, "P recorded no block table for the partial-hit references"
+    p_table = next(iter(recorded.values()))[-1]
+    groups = p.worker_rpc("glm5_group_layers")[0]
+    assert d.worker_rpc("glm5_group_layers")[0] == groups, "P and D have other KV groups"
+    layers = [g["layers"] for g in groups]
+    mamba = [i for i, g in enumerate(groups) if g["mamba"]]
+    # Groups of another block size (GLM's kpool ring) hold other positions: not located.
+    attention = [i for i, g in enumerate(groups) if not g["mamba"] and g["block_size"] == block]
+    whole = (len(prompt) - 1) // block  # N-1 on a boundary: every computed block is whole
+    column = transfers.checkpoint_column(len(prompt) - 1, block, boundary=True)
+    p_alone = _partial_hit_pages(p, p_table, whole, attention, mamba, column, layers)
+    _start_recording(d)
+    before = disagg.transfer_counters(disagg.fetch_metrics(d.url))
+    moved = disagg.prefill_then_decode(
+        p.url, d.url, SERVED_MODEL, prompt, max_tokens, timeout, top_logprobs=TOP_LOGPROBS
+    )
+    counters = disagg.transfer_counters(disagg.fetch_metrics(d.url)).minus(before)
+    recorded = d.worker_rpc("glm5_recorded_block_tables", "true")[0]
+    assert len(recorded) == 1, f"D ran {len(recorded)} requests since the recorder started"
+    d_table = next(iter(recorded.values()))[-1]
+    print(f"\npartial hit: P alone's table {p_table}; D's {d_table}")
+    decode = _partial_hit_pages(d, d_table, whole, attention, mamba, column, layers)
+    return PartialHit(
+        prompt,
+        cached_blocks,
+        references,
+        moved,
+        counters,
+        attention,
+        mamba,
+        column,
+        p_alone,
+        decode,
+    )
+
+
+def _head_block_in_pulled_slot(
+    pages: dict[transfers.PageKey, tuple[str, ...]], attention: list[int], slot: int
+) -> dict[transfers.PageKey, tuple[str, ...]]:
+    """The control: P alone's pages with each attention group's block 0 in place of block
+    `slot` (the first one D pulls), what a connector reading P's head blocks into D's uncached
+    tail hands D."""
+    control = dict(pages)
+    for group, position, layer in pages:
+        if group in attention and position == slot:
+            control[(group, position, layer)] = pages[(group, 0, layer)]
+    return control
+
+
+def test_partial_prefix_hit_on_decode_matches_single_server(
+    record: Record, partial_hit: PartialHit, profile: Profile
+) -> None:
+    """A prompt D holds the first blocks of (the judged prompt's), extended by new blocks and
+    one token. D must serve the cached blocks itself and pull only the rest from P: its local
+    hits are exactly the cached blocks' tokens, the connector's the rest of what P computed, and
+    fewer bytes cross than in the cold first P -> D (which moved more attention blocks; a full
+    pull of this prompt would move more still), all from the harness's own counts. The pages D
+    then holds (every attention block of the N-1 tokens, each Mamba state after N-1), located in
+    D's table and in P alone's own, are P alone's bit for bit; D's output is P alone's bit for
+    bit (every token and candidate's logprob), P alone's repeats being bitwise equal to each
+    other, its output varying. The control, P's head block in D's first pulled slot, is rejected
+    by the page comparison. Every figure is recorded before anything is judged, so a failing run
+    still says by how much."""
+    from glm5_matrix.results.recorder import record_outputs
+
+    hit = partial_hit
+    pd = _pd(profile)
+    block = record.block_size
+    params = hit.moved.prefill.kv_transfer_params
+    assert params is not None
+    computed = int(params["remote_num_tokens"])
+    local = hit.cached_blocks * block
+    first = record.after_first.decode.minus(record.before.decode)
+    c = hit.counters
+    print(
+        f"\npartial hit ({len(hit.prompt)} tokens, {hit.cached_blocks} blocks of {block} cached "
+        f"on D, P computed {computed}): D counters moved by {c}; the cold first P->D moved "
+        f"{first.nixl_bytes:.0f} bytes"
+    )
+    record_figure("pd.partial_hit.local_hits", c.local_hits, limit=local, relation="==")
+    record_figure(
+        "pd.partial_hit.external_hits", c.external_hits, limit=computed - local, relation="=="
+    )
+    record_figure(
+        "pd.partial_hit.bytes", c.nixl_bytes, limit=first.nixl_bytes, relation="<", unit="bytes"
+    )
+    names = ("P alone", "D after the partial hit")
+    _, differing_pages = transfers.differing_states(hit.p_alone, hit.decode)
+    print(f"{len(differing_pages)} of {len(hit.p_alone)} located pages differ: {differing_pages}")
+    record_figure(
+        "pd.partial_hit.differing_pages", len(differing_pages), limit=0, relation="==", unit="pages"
+    )
+    reference, decoded = hit.references[0], hit.moved.decode
+    record_outputs("pd.partial_hit.p_only", list(hit.references))
+    record_outputs("pd.partial_hit.p_to_d", [decoded])
+    steps = min(len(reference.token_ids), len(decoded.token_ids))
+    differing = sum(a != b for a, b in zip(reference.token_ids, decoded.token_ids, strict=False))
+    deltas = compare.step_deltas(reference, decoded, steps)
+    worst = max(deltas, default=0.0)
+    print(f"P alone {reference.token_ids}\nP->D    {decoded.token_ids}")
+    print(
+        f"{differing} of {steps} tokens differ, {compare.equal_prefix(reference, decoded)} "
+        f"leading equal; |logprob delta| per step (shared candidates) max {worst:.4g}, "
+        f"{sum(d > 0 for d in deltas)} steps nonzero"
+    )
+    record_figure("pd.partial_hit.differing_tokens", differing, limit=0, relation="==")
+    record_figure("pd.partial_hit.worst_delta", worst, limit=0.0, relation="==", unit="nats")
+
+    # D really did a partial hit, by the harness's counts.
+    assert len(hit.prompt) - 1 <= computed <= len(hit.prompt), (computed, len(hit.prompt))
+    assert c.nixl_failed == 0, c
+    assert c.local_hits == local, f"D served {c.local_hits} tokens itself, not {local}: {c}"
+    assert c.external_hits == computed - local > 0, c
+    assert c.external_prompt_tokens == c.external_hits, c
+    assert c.nixl_transfers >= 1 and 0 < c.nixl_bytes < first.nixl_bytes, (c, first)
+
+    # D holds P alone's pages where the harness locates them; the head-block control fails.
+    copied = transfers.check_copied(hit.p_alone, hit.decode, names)
+    print(f"D's pages (Mamba column {hit.column}) equal P alone's: {copied.describe()}")
+    record_figure("pd.partial_hit.pages_equal", copied.pages, limit=0, relation=">", unit="pages")
+    assert set(copied.groups) == set(hit.attention_groups) | set(hit.mamba_groups), copied
+    control = _head_block_in_pulled_slot(hit.p_alone, hit.attention_groups, hit.cached_blocks)
+    with pytest.raises(AssertionError, match="differ") as rejected:
+        transfers.check_copied(control, hit.decode, names)
+    print(f"control (P's head block in D's first pulled slot) rejected: {rejected.value}")
+
+    # D's output is P alone's, bitwise; P alone is bitwise itself and varies.
+    compare.assert_varies(
+        reference.token_ids, int(pd["tolerances"]["min_distinct_tokens"]), "P alone"
+    )
+    for i, again in enumerate(hit.references[1:], start=2):
+        compare.check_exact(reference, again, ("P alone #1", f"P alone #{i}"))
+    steps = compare.check_exact(reference, decoded, names)
+    print(f"P alone vs P->D after a partial hit: {steps} of {steps} steps bitwise equal")
+    record_figure(
+        "pd.partial_hit.bitwise_steps", steps, limit=len(reference.token_ids), relation="=="
+    )
