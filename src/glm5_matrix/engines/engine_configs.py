@@ -157,6 +157,9 @@ def noise_specs(cell: CellContext, profile: Profile) -> list[EngineSpec]:
 # --- pd -------------------------------------------------------------------------------------------
 
 
+PD_SHUTDOWN_TIMEOUT_S = 10
+
+
 def pd_table(profile: Profile) -> dict[str, Any]:
     table = profile.section("pd")
     if not table:
@@ -194,6 +197,11 @@ def pd_server_args(cell: CellContext, profile: Profile) -> tuple[str, list[str],
         # endpoint (a transfer is checked byte for byte); a test process only.
         "--worker-extension-cls",
         PD_WORKER_EXTENSION,
+        # A stop ends the engine cores in order (vLLM's default 0 SIGKILLs them at once: "force
+        # killing remaining process EngineCore"), so their coverage data is written and the
+        # cell's executed list holds what they ran; below the server's stop grace (20 s).
+        "--shutdown-timeout",
+        str(PD_SHUTDOWN_TIMEOUT_S),
     ]
     return spec.model, args, {**spec.environment, "VLLM_SERVER_DEV_MODE": "1"}
 
