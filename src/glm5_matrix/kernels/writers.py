@@ -50,7 +50,8 @@ is seen where its writes are not.
 Each file written in the window is then (attribute()):
 
 - "cell": a process of the cell was seen writing its kernel's folder, or, with nothing seen
-  there, the only writers seen in its library's temporary files were the cell's: counted;
+  there, the only writers seen in its library's temporary files were the cell's and no process
+  outside the cell was seen in the cache (else "unseen"): counted;
 - "other": only processes outside the cell were seen writing there: never counted;
 - "unseen": no writer known. Counted only when no process outside the cell was seen in the
   cache at all in the window, writing or able to (then the cell's processes are the only ones
@@ -628,7 +629,13 @@ def attribute(changed: Mapping[str, list[str]], sightings: Iterable[Sighting]) -
             there = [
                 s for s in in_library if s.entry is not None and kernel and _covers(s.entry, kernel)
             ]
-            found = _writer(there) or (None if mixed else _writer(temporary))
+            found = _writer(there)
+            if found is None and not mixed:
+                found = _writer(temporary)
+                if found is not None and found[0] == CELL and outsiders:
+                    # The cell in the library's temporary files names no kernel: beside a
+                    # process outside the cell in the cache, the file may be that one's.
+                    found = None
             if found is not None and found[0] != UNSEEN:
                 writer, pids, command = found
                 writes.append(FileWrite(library, path, writer, writer == CELL, pids, command))

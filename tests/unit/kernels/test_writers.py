@@ -430,6 +430,16 @@ def test_the_librarys_temporary_files_decide_only_when_one_side_wrote_them() -> 
     assert [(w.writer, w.counted) for w in both if w.library == "deep_gemm"] == [(UNSEEN, False)]
 
 
+def test_the_cells_temporary_files_beside_a_stranger_in_the_cache_name_no_writer() -> None:
+    """The cell seen in a library's temporary files (a lock, a tmp/ file) says nothing of which
+    kernel it wrote: with a process outside the cell able to write the cache, a file with no
+    sighting in its own folder may be that process's, and is not counted."""
+    able = Sighting(20, False, "proc 20", "deep_gemm", None, "has a file of it open", False)
+    writes = writers.attribute(CHANGED, [sighting(10, True, "deep_gemm", None), able])
+    assert [(w.writer, w.counted) for w in writes if w.library == "deep_gemm"] == [(UNSEEN, False)]
+    assert "20 (has a file of it open)" in writers.describe_not_counted(writes)
+
+
 def test_a_kernels_folder_per_library() -> None:
     assert writers.entry("triton", "abc/x.cubin") == "abc"
     assert writers.entry("triton", "abc/tmp.pid_12_u/x.cubin") == "abc"
