@@ -67,6 +67,7 @@ def test_an_axis_value_runs_alone(matrix):
         "pd-nixl",
         "pd-nixl-cpu",
         "pd-nixl-cpu-tp1-tp2",
+        "pd-nixl-cpu-tp2-tp1",
         "faults",
     }
 
@@ -96,6 +97,7 @@ def test_cli_json_and_stdin():
         "e2e-cpu-tp2",
         "e2e-cpu-tp4",
         "pd-nixl-cpu-tp1-tp2",
+        "pd-nixl-cpu-tp2-tp1",
         "faults",
     ]
     assert listed[0]["matched"] == [
@@ -175,6 +177,7 @@ def test_cli_reads_git_diff_output_as_git_prints_it():
         "e2e-cpu-tp2",
         "e2e-cpu-tp4",
         "pd-nixl-cpu-tp1-tp2",
+        "pd-nixl-cpu-tp2-tp1",
         "faults",
     ]
     folder = _cli("vllm/v1/worker/cpu")
@@ -184,6 +187,7 @@ def test_cli_reads_git_diff_output_as_git_prints_it():
         "e2e-cpu-tp2",
         "e2e-cpu-tp4",
         "pd-nixl-cpu-tp1-tp2",
+        "pd-nixl-cpu-tp2-tp1",
         "faults",
     ]
     assert "no cell guards" not in folder.stderr

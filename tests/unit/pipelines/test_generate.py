@@ -176,6 +176,7 @@ def test_github_matrix_keeps_only_the_cells_a_vllm_change_affects(tmp_path):
         "pd-nixl",
         "pd-nixl-cpu",
         "pd-nixl-cpu-tp1-tp2",
+        "pd-nixl-cpu-tp2-tp1",
         "faults",  # it runs pd-nixl-cpu for real
     ]
     assert "no cell guards docs/x.md" in result.stderr
