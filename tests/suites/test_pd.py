@@ -82,7 +82,7 @@ class TransferPages:
     sent: dict[transfers.PageKey, tuple[str, ...]]
     received: dict[transfers.PageKey, tuple[str, ...]]
     received_table: list[list[int]]  # the request's block table on D, per group
-    view: rank_pages.PageView = rank_pages.SAME_TP  # per rank where D runs another TP
+    view: rank_pages.PageView = rank_pages.SAME_TP  # per rank where P and D run other TPs
     # One side at TP1, the other at more: the TP1 side's pages split flat over the ranks (a
     # control), per rank, in place of that side's `sent` or `received`
     flat: dict[transfers.PageKey, tuple[str, ...]] | None = None
@@ -158,7 +158,7 @@ def _mamba_groups(server: servers.VllmServer) -> tuple[list[int], list[list[str]
 
 
 def _page_view(cell: CellContext, profile: Profile, p: servers.VllmServer) -> rank_pages.PageView:
-    """How pages are read: as they are, or per rank of D where D runs another TP than P."""
+    """How pages are read: as they are, or per rank where P and D run other TP sizes."""
     groups, layers = _mamba_groups(p)
     return rank_pages.page_view(cell, profile.section("model").get("config", {}), layers, groups)
 
@@ -499,6 +499,12 @@ def test_ranks_hold_tp1_pages_split_per_rank(record: Record) -> None:
     pages, view = record.pages, record.pages.view
     if view.tp == 1:
         pytest.skip("P and D run one TP size: test_transfer_is_a_copy compares the pages whole")
+    # One block on both sides (the cell's block_size), as each server's engine reports it.
+    blocks = {
+        server.label: int(disagg.cache_config(disagg.fetch_metrics(server.url))["block_size"])
+        for server in (record.prefill_server, record.decode_server)
+    }
+    assert set(blocks.values()) == {record.block_size}, blocks
     ranks = sorted({tp_split.rank_of(layer) for _, _, layer in pages.received})
     assert ranks == list(range(view.tp)), f"pages read from ranks {ranks} at TP{view.tp}"
     record_figure("pd.ranks_checked", len(ranks), limit=view.tp, relation="==")
