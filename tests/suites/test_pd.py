@@ -24,13 +24,13 @@ from typing import Any
 
 import pytest
 
-from glm5_matrix.engines import disagg, servers
+from glm5_matrix.engines import disagg, rank_pages, servers
 from glm5_matrix.engines.engine_configs import SERVED_MODEL, pd_role_environment, pd_server_args
 from glm5_matrix.engines.prompts import random_prompt, with_other_tokens
 from glm5_matrix.matrix.context import CellContext
 from glm5_matrix.matrix.profiles import Profile
 from glm5_matrix.results.recorder import record_figure
-from glm5_matrix.verdicts import compare, judging, transfers
+from glm5_matrix.verdicts import compare, judging, tp_split, transfers
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("no_surviving_children")]
 
@@ -59,12 +59,13 @@ def _server(
     role: str,
     profile: Profile,
     log_dir: Path,
+    cell: CellContext | None = None,
 ) -> servers.VllmServer:
     return servers.VllmServer(  # its CUDA_VISIBLE_DEVICES counts among the cell's GPUs
         label,
         model,
         args,
-        env={**env, **pd_role_environment(profile, role)},
+        env={**env, **pd_role_environment(profile, role, cell)},
         log_dir=log_dir,
         python=sys.executable,  # the cell environment's interpreter
         startup_timeout=float(_pd(profile)["startup_timeout_s"]),
@@ -81,6 +82,10 @@ class TransferPages:
     sent: dict[transfers.PageKey, tuple[str, ...]]
     received: dict[transfers.PageKey, tuple[str, ...]]
     received_table: list[list[int]]  # the request's block table on D, per group
+    view: rank_pages.PageView = rank_pages.SAME_TP  # per rank where P and D run other TPs
+    # One side at TP1, the other at more: the TP1 side's pages split flat over the ranks (a
+    # control), per rank, in place of that side's `sent` or `received`
+    flat: dict[transfers.PageKey, tuple[str, ...]] | None = None
 
 
 def _start_recording(d: servers.VllmServer) -> None:
@@ -94,6 +99,7 @@ def _transfer_pages(
     d: servers.VllmServer,
     moved: disagg.Disaggregated,
     block_size: int,
+    view: rank_pages.PageView = rank_pages.SAME_TP,
 ) -> TransferPages:
     """Read, right after a P -> D request and before any other, the pages P sent (its
     remote_block_ids) and the pages D received them into (the request's block table on D, from
@@ -121,21 +127,15 @@ def _transfer_pages(
         whole,
     )
     print(f"\nP sent {sent_tables}; D received into {received_tables}; {len(pairs)} block pairs")
-    sent = transfers.keyed(
-        pairs,
-        layers,
-        p.worker_rpc("glm5_page_digests", json.dumps(transfers.page_reads(pairs, layers, "sent")))[
-            0
-        ],
-    )
-    received = transfers.keyed(
-        pairs,
-        layers,
-        d.worker_rpc(
-            "glm5_page_digests", json.dumps(transfers.page_reads(pairs, layers, "received"))
-        )[0],
-    )
-    return TransferPages(pairs, layers, compared, sent, received, received_tables)
+    keys = [(pair.group, pair.position, layer) for pair in pairs for layer in layers[pair.group]]
+    reads = {side: transfers.page_reads(pairs, layers, side) for side in ("sent", "received")}
+    sent = view.read(p, "prefill", keys, reads["sent"])
+    received = view.read(d, "decode", keys, reads["received"])
+    flat = None
+    if view.tp > 1:
+        server, side = (p, "sent") if view.unsplit == "prefill" else (d, "received")
+        flat = view.read(server, view.unsplit, keys, reads[side], tp_split.flat_view(view.splits))
+    return TransferPages(pairs, layers, compared, sent, received, received_tables, view, flat)
 
 
 @dataclass(frozen=True)
@@ -157,19 +157,30 @@ def _mamba_groups(server: servers.VllmServer) -> tuple[list[int], list[list[str]
     return [i for i, g in enumerate(groups) if g["mamba"]], [g["layers"] for g in groups]
 
 
+def _page_view(cell: CellContext, profile: Profile, p: servers.VllmServer) -> rank_pages.PageView:
+    """How pages are read: as they are, or per rank where P and D run other TP sizes."""
+    groups, layers = _mamba_groups(p)
+    return rank_pages.page_view(cell, profile.section("model").get("config", {}), layers, groups)
+
+
 def _read_located(
     server: servers.VllmServer,
     table: list[list[int]],
     column: int,
     groups: list[int],
     layers: list[list[str]],
+    view: rank_pages.PageView = rank_pages.SAME_TP,
+    role: str = "prefill",
 ) -> dict[transfers.PageKey, tuple[str, ...]]:
     keys, reads = transfers.located_pages(table, column, groups, layers)
-    return transfers.keyed_reads(keys, server.worker_rpc("glm5_page_digests", json.dumps(reads))[0])
+    return view.read(server, role, keys, reads)
 
 
 def _p_alone_checkpoint(
-    p: servers.VllmServer, prompt: list[int], block_size: int
+    p: servers.VllmServer,
+    prompt: list[int],
+    block_size: int,
+    view: rank_pages.PageView = rank_pages.SAME_TP,
 ) -> tuple[int, list[int], dict[transfers.PageKey, tuple[str, ...]]]:
     """Right after the P-only references (P's recorder on): P alone's Mamba checkpoint after
     N-1 tokens, at the column the harness computes. (Earlier checkpoints are retired: P's
@@ -180,7 +191,7 @@ def _p_alone_checkpoint(
     groups, layers = _mamba_groups(p)
     assert groups, "the model has no Mamba group: nothing to locate"
     column = transfers.checkpoint_column(len(prompt) - 1, block_size, boundary=True)
-    here = _read_located(p, table, column, groups, layers)
+    here = _read_located(p, table, column, groups, layers, view)
     print(f"\nP alone: Mamba groups {groups} in {table}; checkpoint after N-1 in column {column}")
     return column, groups, here
 
@@ -236,13 +247,16 @@ def record(
     cell: CellContext, profile: Profile, log_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Record]:
     pd = _pd(profile)
-    model, args, env = pd_server_args(cell, profile)
+    model, args, env = pd_server_args(cell, profile, "prefill")
+    _, decode_args, _ = pd_server_args(cell, profile, "decode")  # its own TP, where the cell says
     other_model, other_args = _other_model(
         profile, model, args, tmp_path_factory.mktemp("other") / "model"
     )
-    p = _server("prefill", model, args, env, "prefill", profile, log_dir)
-    d = _server("decode", model, args, env, "decode", profile, log_dir)
-    other = _server("prefill-other", other_model, other_args, env, "prefill", profile, log_dir)
+    p = _server("prefill", model, args, env, "prefill", profile, log_dir, cell)
+    d = _server("decode", model, decode_args, env, "decode", profile, log_dir, cell)
+    other = _server(
+        "prefill-other", other_model, other_args, env, "prefill", profile, log_dir, cell
+    )
     timeout = float(pd["request_timeout_s"])
     max_tokens = int(pd["max_tokens"])
     # All three start together: their start-ups overlap, and the negative control's prefiller
@@ -265,18 +279,21 @@ def record(
             )
             for _ in range(int(pd["tolerances"]["reference_repeats"]))
         ]
-        column, mamba, p_alone = _p_alone_checkpoint(p, prompt, block_size)
+        view = _page_view(cell, profile, p)
+        column, mamba, p_alone = _p_alone_checkpoint(p, prompt, block_size, view)
         _start_recording(d)
         first = disagg.prefill_then_decode(
             p.url, d.url, SERVED_MODEL, prompt, max_tokens, timeout, top_logprobs=TOP_LOGPROBS
         )
-        pages = _transfer_pages(p, d, first, block_size)
+        pages = _transfer_pages(p, d, first, block_size, view)
         located = LocatedStates(
             len(prompt) - 1,
             column,
             mamba,
             p_alone,
-            _read_located(d, pages.received_table, column, mamba, pages.group_layers),
+            _read_located(
+                d, pages.received_table, column, mamba, pages.group_layers, view, "decode"
+            ),
         )
         after_first = _snapshot(p, d)
         second = disagg.prefill_then_decode(
@@ -471,6 +488,41 @@ def test_transfer_is_a_copy(record: Record) -> None:
     print(f"control (two received blocks exchanged) rejected: {control.value}")
 
 
+def test_ranks_hold_tp1_pages_split_per_rank(record: Record) -> None:
+    """P and D at other TP sizes, one of them TP1 (cells with prefill_tp / decode_tp): each
+    rank of the TP > 1 side holds its own split of the TP1 side's pages, read by the harness on
+    both sides: every rank answered; in a GDN layer the rank-th 1/tp of each of the conv state's
+    q, k and v channels and of the recurrent state's heads, from the model's config; the
+    replicated attention page whole. Controls: each rank against the next rank's split, and
+    against the TP1 pages split flat over the ranks (one piece of the channels per rank, as if
+    q, k and v were one block), must both be rejected."""
+    pages, view = record.pages, record.pages.view
+    if view.tp == 1:
+        pytest.skip("P and D run one TP size: test_transfer_is_a_copy compares the pages whole")
+    # One block on both sides (the cell's block_size), as each server's engine reports it.
+    blocks = {
+        server.label: int(disagg.cache_config(disagg.fetch_metrics(server.url))["block_size"])
+        for server in (record.prefill_server, record.decode_server)
+    }
+    assert set(blocks.values()) == {record.block_size}, blocks
+    ranks = sorted({tp_split.rank_of(layer) for _, _, layer in pages.received})
+    assert ranks == list(range(view.tp)), f"pages read from ranks {ranks} at TP{view.tp}"
+    record_figure("pd.ranks_checked", len(ranks), limit=view.tp, relation="==")
+    copied = transfers.check_copied(pages.sent, pages.received, ("P's", "D's"))
+    print(f"\n{view.tp} ranks hold the TP1 pages split per rank: {copied.describe()}")
+    record_figure("pd.rank_pages_equal", copied.pages, limit=0, relation=">", unit="pages")
+    with pytest.raises(AssertionError, match="differ") as next_rank:
+        transfers.check_copied(tp_split.next_rank_keys(pages.sent, view.tp), pages.received)
+    print(f"control (the next rank's split) rejected: {next_rank.value}")
+    assert pages.flat is not None
+    flat_sides = (
+        (pages.flat, pages.received) if view.unsplit == "prefill" else (pages.sent, pages.flat)
+    )
+    with pytest.raises(AssertionError, match="differ") as flat:
+        transfers.check_copied(*flat_sides)
+    print(f"control (the TP1 pages split flat over the ranks) rejected: {flat.value}")
+
+
 def test_decode_holds_p_alone_state_after_n_minus_1(record: Record) -> None:
     """The state D starts token N from is P alone's state after exactly N-1 prompt tokens, bit
     for bit, in every Mamba group: both located by the harness (the column from N-1 and the
@@ -510,7 +562,7 @@ def test_repeated_request_hits_decode_cache_or_moves_less(record: Record) -> Non
 
 
 def test_disaggregated_output_matches_single_server(
-    record: Record, comparison: judging.Comparison
+    record: Record, comparison: judging.Comparison, profile: Profile
 ) -> None:
     """With N-1 on a block boundary P->D does the arithmetic P alone does: vLLM's connector has
     P compute the first N-1 prompt tokens (the chunks P alone computes them in) and hand over
@@ -519,10 +571,53 @@ def test_disaggregated_output_matches_single_server(
     another prompt is rejected by the noise rule with at least min_power."""
     reference, decoded = record.references[0], record.first.decode
     print(f"\nP-only {reference.token_ids}\nP->D   {decoded.token_ids}")
+    if record.pages.view.tp > 1:
+        # P and D at other TP sizes: the ranks all-reduce their partial products, in another
+        # order than one rank sums them, so no bitwise promise: the tokens, while P alone is
+        # decisive (logprob deltas recorded), and a control rejected by the same rule. The
+        # wrong-KV control is none here: on this model it left all 16 tokens unchanged
+        # (measured), so the token rule is shown failing on P->D steered off P alone's choice.
+        comparison.tokens_agree(reference, decoded, ("P-only", "P->D across TP sizes"))
+        timeout = float(_pd(profile)["request_timeout_s"])
+        steered = _steered_off(record, reference, comparison, timeout)
+        comparison.rejects_by_token(reference, steered, ("P-only", "P->D off P alone's choice"))
+        return
     steps = compare.check_exact(reference, decoded, ("P-only", "P->D"))
     print(f"P-only vs P->D: {steps} of {steps} steps bitwise equal")
     record_figure("pd.bitwise_steps", steps, limit=len(reference.token_ids), relation="==")
     comparison.rejects(record.control_reference, record.control, ("P-only", "P->D of other KV"))
+
+
+def _steered_off(
+    record: Record, reference: disagg.Completion, comparison: judging.Comparison, timeout: float
+) -> disagg.Completion:
+    """The control of the token rule: the P -> D request again, D steered (logit_bias) off P
+    alone's choice at P alone's first decisive step, so that it takes the runner-up there."""
+    step = compare.decisive_step(reference, comparison.floor.tolerance)
+    assert step is not None, "P alone has no decisive step: no control can be told from noise"
+    token = reference.token_ids[step]
+    print(f"control: P->D takes the runner-up at step {step} (not {token})")
+    record_figure("pd.control_step", step)
+    p, d = record.prefill_server, record.decode_server
+    prefill = disagg.complete(
+        p.url,
+        SERVED_MODEL,
+        record.prompt,
+        max_tokens=1,
+        kv_transfer_params={"do_remote_decode": True},
+        timeout=timeout,
+    )
+    assert prefill.kv_transfer_params, f"P answered without KV to hand over: {prefill}"
+    return disagg.complete(
+        d.url,
+        SERVED_MODEL,
+        record.prompt,
+        len(reference.token_ids),
+        kv_transfer_params=prefill.kv_transfer_params,
+        timeout=timeout,
+        top_logprobs=TOP_LOGPROBS,
+        logit_bias={token: -100.0},
+    )
 
 
 def test_output_with_n_minus_1_mid_block_keeps_its_tokens(

@@ -165,9 +165,11 @@ def complete(
     kv_transfer_params: Mapping[str, Any] | None = None,
     timeout: float = REQUEST_TIMEOUT,
     top_logprobs: int = 0,
+    logit_bias: Mapping[int, float] | None = None,
 ) -> Completion:
     """Greedy completion of a token-id prompt, with token ids and per-token logprobs back
-    (and the `top_logprobs` best candidates of each step when > 0)."""
+    (and the `top_logprobs` best candidates of each step when > 0); `logit_bias` steers it
+    (a control taking a runner-up)."""
     body: dict[str, Any] = {
         "model": model,
         "prompt": list(prompt),
@@ -181,6 +183,8 @@ def complete(
     }
     if kv_transfer_params is not None:
         body["kv_transfer_params"] = dict(kv_transfer_params)
+    if logit_bias:
+        body["logit_bias"] = {str(token): float(bias) for token, bias in logit_bias.items()}
     url = base_url + "/v1/completions"
     request = urllib.request.Request(
         url,

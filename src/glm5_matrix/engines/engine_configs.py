@@ -167,8 +167,35 @@ def pd_table(profile: Profile) -> dict[str, Any]:
     return table
 
 
-def pd_server_args(cell: CellContext, profile: Profile) -> tuple[str, list[str], dict[str, str]]:
-    """Model, api_server flags and environment shared by every server of the pd suite."""
+PD_ROLES = ("prefill", "decode")
+
+
+def pd_role_tp(cell: CellContext, role: str) -> int:
+    """The tensor-parallel size of a PD server in `role`: the cell's `prefill_tp` / `decode_tp`
+    setting (P and D at other TP sizes, issue 36), else the cell's tp."""
+    if role not in PD_ROLES:
+        raise UserError(f"cell {cell.id}: PD role {role!r} is not one of {list(PD_ROLES)}")
+    return int(cell.setting(f"{role}_tp", cell.tp or 1))
+
+
+def pd_role_engine_args(cell: CellContext, role: str) -> dict[str, Any]:
+    """What a PD server in `role` sets beyond the shared arguments: its TP size where the cell
+    gives P and D their own, and the cell's `block_size` (one block for both sides: vLLM's NIXL
+    handshake needs the local block to be a multiple of the remote one, and the hybrid
+    aligner's automatic block depends on TP)."""
+    args: dict[str, Any] = {}
+    if cell.setting(f"{role}_tp") is not None:
+        args["tensor_parallel_size"] = pd_role_tp(cell, role)
+    if cell.setting("block_size") is not None:
+        args["block_size"] = int(cell.setting("block_size"))
+    return args
+
+
+def pd_server_args(
+    cell: CellContext, profile: Profile, role: str = "prefill"
+) -> tuple[str, list[str], dict[str, str]]:
+    """Model, api_server flags and environment of a server of the pd suite in `role` (the same
+    for both roles unless the cell gives them their own TP sizes)."""
     from glm5_matrix.engines.servers import engine_cli_args
 
     pd = pd_table(profile)
@@ -178,7 +205,13 @@ def pd_server_args(cell: CellContext, profile: Profile) -> tuple[str, list[str],
             f"cell {cell.id}: kv_connector {connector!r} is not one of {list(PD_CONNECTORS)}"
         )
     # [pd].engine: what differs from the profile's [engine] when three servers share the GPUs.
-    spec = engine_spec(cell, profile, enable_prefix_caching=True, **pd.get("engine", {}))
+    spec = engine_spec(
+        cell,
+        profile,
+        enable_prefix_caching=True,
+        **pd.get("engine", {}),
+        **pd_role_engine_args(cell, role),
+    )
     kv_config = {
         "kv_connector": PD_CONNECTORS[connector],
         "kv_role": "kv_both",
@@ -206,22 +239,27 @@ def pd_server_args(cell: CellContext, profile: Profile) -> tuple[str, list[str],
     return spec.model, args, {**spec.environment, "VLLM_SERVER_DEV_MODE": "1"}
 
 
-def pd_role_environment(profile: Profile, role: str) -> dict[str, str]:
-    """The environment of a PD server in `role` ("prefill" or "decode") beside the shared one."""
+def pd_role_environment(
+    profile: Profile, role: str, cell: CellContext | None = None
+) -> dict[str, str]:
+    """The environment of a PD server in `role` ("prefill" or "decode") beside the shared one:
+    the profile's [pd] tables, then the cell's `{role}_environment` setting (a D at TP2 binds
+    one core per rank)."""
     pd = pd_table(profile)
-    table = {**pd.get("environment", {}), **pd.get(f"{role}_environment", {})}
+    own = cell.setting(f"{role}_environment", {}) if cell is not None else {}
+    table = {**pd.get("environment", {}), **pd.get(f"{role}_environment", {}), **own}
     return {str(k): str(v) for k, v in table.items()}
 
 
 def pd_warm_server(cell: CellContext, profile: Profile) -> ServerSpec:
     """The server configuration of the pd suite (P, D and the negative control's prefiller run
     the same kernels), on the prefill server's GPU."""
-    model, args, env = pd_server_args(cell, profile)
+    model, args, env = pd_server_args(cell, profile, "prefill")
     return ServerSpec(
         label=f"warm-{cell.slug}",
         model=model,
         args=tuple(args),
-        environment={**env, **pd_role_environment(profile, "prefill")},
+        environment={**env, **pd_role_environment(profile, "prefill", cell)},
         startup_timeout_s=float(pd_table(profile)["startup_timeout_s"]),
     )
 

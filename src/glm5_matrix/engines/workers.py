@@ -112,6 +112,55 @@ def worker_page_digests(worker: Any, layer_blocks: list[tuple[str, int]]) -> lis
     ]
 
 
+def rank_part(page: Any, segments: list[int], rank: int, tp: int) -> Any:
+    """Rank `rank`'s part of an unsplit (TP1) page at TP `tp`: along the one axis past the row
+    axis whose length is sum(segments), the rank-th 1/tp of each segment, concatenated in order.
+    A GDN conv state is [q | k | v] channels, each split over the ranks (three segments); a
+    recurrent state is its value heads (one segment). The segments come from the model's config
+    (glm5_matrix.verdicts.tp_split), not from the connector."""
+    import torch
+
+    full = sum(segments)
+    axes = [a for a in range(1, page.ndim) if int(page.shape[a]) == full]
+    if len(axes) != 1:
+        raise ValueError(f"page {tuple(page.shape)}: {len(axes)} axes of length {full}")
+    if any(size % tp for size in segments):
+        raise ValueError(f"segments {segments} do not split over TP{tp}")
+    (axis,) = axes
+    parts, start = [], 0
+    for size in segments:
+        share = size // tp
+        parts.append(page.narrow(axis, start + rank * share, share))
+        start += size
+    return torch.cat(parts, dim=axis)
+
+
+def worker_rank_part_digests(
+    worker: Any, reads: list[tuple[str, int, list[list[int] | None]]], rank: int, tp: int
+) -> list[list[str]]:
+    """For each (layer, block id, per state tensor: its segments or None): the digest of rank
+    `rank`'s part (rank_part) of each state's page at TP `tp`, or of the whole page where None
+    (a replicated one). Read on an unsplit (TP1) server: what a rank of a TP `tp` server must
+    hold of it."""
+    target = getattr(worker, "worker", worker)
+    caches = layer_caches(target)
+    num_blocks = int(target.model_runner.kv_cache_config.num_blocks)
+    strides = block_strides(target)
+    digests = []
+    for name, block, splits in reads:
+        views = caches[name]
+        if len(splits) != len(views):
+            raise ValueError(f"{name}: {len(splits)} splits for {len(views)} state tensors")
+        row = []
+        for view, segments in zip(views, splits, strict=True):
+            page = block_rows(view, num_blocks, int(block), strides.get(name, 0))
+            row.append(
+                page_digest(page if segments is None else rank_part(page, segments, rank, tp))
+            )
+        digests.append(row)
+    return digests
+
+
 def worker_group_layers(worker: Any) -> list[dict[str, Any]]:
     """Per KV cache group, in the scheduler's group order: its layer names, block size, and
     whether it is a Mamba group (its layers hold a state per request, not tokens)."""
@@ -149,6 +198,11 @@ class PageReader:
     def glm5_page_digests(self, layer_blocks: str) -> list[list[str]]:
         pairs = [(str(name), int(block)) for name, block in json.loads(layer_blocks)]
         return worker_page_digests(self, pairs)
+
+    def glm5_rank_part_digests(self, request: str) -> list[list[str]]:
+        asked = json.loads(request)
+        reads = [(str(n), int(b), list(splits)) for n, b, splits in asked["reads"]]
+        return worker_rank_part_digests(self, reads, int(asked["rank"]), int(asked["tp"]))
 
     def glm5_start_block_recorder(self) -> list[int]:
         worker_start_block_recorder(self)

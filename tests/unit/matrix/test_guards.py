@@ -63,7 +63,13 @@ def test_an_axis_value_runs_alone(matrix):
         ("vllm/v1/simple_kv_offload/manager.py", "vllm/v1/simple_kv_offload/"),
     )
     nixl = guards.affected(matrix, ["vllm/distributed/kv_transfer/kv_connector/v1/nixl/worker.py"])
-    assert {a.variant.id for a in nixl} == {"pd-nixl", "pd-nixl-cpu", "faults"}
+    assert {a.variant.id for a in nixl} == {
+        "pd-nixl",
+        "pd-nixl-cpu",
+        "pd-nixl-cpu-tp1-tp2",
+        "pd-nixl-cpu-tp2-tp1",
+        "faults",
+    }
 
 
 def test_nothing_guards_a_doc(matrix):
@@ -90,6 +96,8 @@ def test_cli_json_and_stdin():
         "pd-nixl-cpu",
         "e2e-cpu-tp2",
         "e2e-cpu-tp4",
+        "pd-nixl-cpu-tp1-tp2",
+        "pd-nixl-cpu-tp2-tp1",
         "faults",
     ]
     assert listed[0]["matched"] == [
@@ -168,6 +176,8 @@ def test_cli_reads_git_diff_output_as_git_prints_it():
         "pd-nixl-cpu",
         "e2e-cpu-tp2",
         "e2e-cpu-tp4",
+        "pd-nixl-cpu-tp1-tp2",
+        "pd-nixl-cpu-tp2-tp1",
         "faults",
     ]
     folder = _cli("vllm/v1/worker/cpu")
@@ -176,6 +186,8 @@ def test_cli_reads_git_diff_output_as_git_prints_it():
         "pd-nixl-cpu",
         "e2e-cpu-tp2",
         "e2e-cpu-tp4",
+        "pd-nixl-cpu-tp1-tp2",
+        "pd-nixl-cpu-tp2-tp1",
         "faults",
     ]
     assert "no cell guards" not in folder.stderr

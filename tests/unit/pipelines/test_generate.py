@@ -169,6 +169,8 @@ def test_github_matrix_keeps_only_the_cells_a_vllm_change_affects(tmp_path):
     assert [e["session"] for e in json.loads(result.stdout)["include"]] == [
         "pd-nixl",
         "pd-nixl-cpu",
+        "pd-nixl-cpu-tp1-tp2",
+        "pd-nixl-cpu-tp2-tp1",
         "faults",  # it runs pd-nixl-cpu for real
     ]
     assert "no cell guards docs/x.md" in result.stderr
