@@ -232,7 +232,7 @@ def pd_server_args(
         PD_WORKER_EXTENSION,
         # A stop ends the engine cores in order (vLLM's default 0 SIGKILLs them at once: "force
         # killing remaining process EngineCore"), so their coverage data is written and the
-        # cell's executed list holds what they ran; below the server's stop grace (20 s).
+        # cell's executed list holds what they ran; below the server's stop grace (STOP_GRACE_S).
         "--shutdown-timeout",
         str(PD_SHUTDOWN_TIMEOUT_S),
     ]

@@ -41,6 +41,7 @@ from glm5_matrix.machine import processes, supervision
 HOST = "127.0.0.1"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 LOG_TAIL_LINES = 40
+STOP_GRACE_S = 20.0  # how long a stop waits after SIGTERM for a server that started
 # A server that never became healthy holds no state worth a clean shutdown: SIGKILL comes sooner.
 STARTING_STOP_GRACE = 5.0
 # vLLM's engine core logs "init engine (...) took X s (compilation: Y s)" (v1/engine/core.py).
@@ -179,7 +180,7 @@ class VllmServer:
         log_dir: Path | None = None,
         python: str = sys.executable,
         startup_timeout: float = 300.0,
-        stop_grace: float = 20.0,
+        stop_grace: float = STOP_GRACE_S,
     ) -> None:
         self.label = label
         self.model = str(model)

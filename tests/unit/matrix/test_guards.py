@@ -77,6 +77,18 @@ def test_nothing_guards_a_doc(matrix):
     assert guards.unguarded(matrix, ["docs/index.md", "vllm/v1/core/x.py"]) == ["docs/index.md"]
 
 
+# The cells that run vLLM's CPU worker, in matrix order: what a change to it selects.
+CPU_WORKER_CELLS = [
+    "e2e-cpu",
+    "pd-nixl-cpu",
+    "e2e-cpu-tp2",
+    "e2e-cpu-tp4",
+    "pd-nixl-cpu-tp1-tp2",
+    "pd-nixl-cpu-tp2-tp1",
+    "faults",
+]
+
+
 def _cli(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
     return run_cli("affected", *args, env=os.environ, stdin=stdin, timeout=60)
 
@@ -91,15 +103,7 @@ def test_cli_json_and_stdin():
     result = _cli("--json", "-", stdin="vllm/v1/worker/cpu_worker.py\nREADME.md\n")
     assert result.returncode == 0, result.stderr
     listed = json.loads(result.stdout)
-    assert [item["session"] for item in listed] == [
-        "e2e-cpu",
-        "pd-nixl-cpu",
-        "e2e-cpu-tp2",
-        "e2e-cpu-tp4",
-        "pd-nixl-cpu-tp1-tp2",
-        "pd-nixl-cpu-tp2-tp1",
-        "faults",
-    ]
+    assert [item["session"] for item in listed] == CPU_WORKER_CELLS
     assert listed[0]["matched"] == [
         {"path": "vllm/v1/worker/cpu_worker.py", "guard": "vllm/v1/worker/cpu_worker.py"}
     ]
@@ -171,25 +175,9 @@ def test_cli_reads_git_diff_output_as_git_prints_it():
     plain = _cli("vllm/v1/worker/cpu_worker.py")
     prefixed = _cli("-", stdin="a/vllm/v1/worker/cpu_worker.py\nb/vllm/v1/worker/cpu_worker.py\n")
     assert plain.returncode == prefixed.returncode == 0, prefixed.stderr
-    assert prefixed.stdout == plain.stdout and plain.stdout.split() == [
-        "e2e-cpu",
-        "pd-nixl-cpu",
-        "e2e-cpu-tp2",
-        "e2e-cpu-tp4",
-        "pd-nixl-cpu-tp1-tp2",
-        "pd-nixl-cpu-tp2-tp1",
-        "faults",
-    ]
+    assert prefixed.stdout == plain.stdout and plain.stdout.split() == CPU_WORKER_CELLS
     folder = _cli("vllm/v1/worker/cpu")
-    assert folder.stdout.split() == [
-        "e2e-cpu",
-        "pd-nixl-cpu",
-        "e2e-cpu-tp2",
-        "e2e-cpu-tp4",
-        "pd-nixl-cpu-tp1-tp2",
-        "pd-nixl-cpu-tp2-tp1",
-        "faults",
-    ]
+    assert folder.stdout.split() == CPU_WORKER_CELLS
     assert "no cell guards" not in folder.stderr
 
 
