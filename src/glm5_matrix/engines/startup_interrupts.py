@@ -81,11 +81,15 @@ def reaching_the_caller(
             if interrupted.is_set() and not raised.is_set():
                 signal.pthread_kill(main, signal.SIGINT)
 
-    previous = signal.signal(signal.SIGINT, handler)
+    # Everything after the handler is set runs inside the try, so a SIGINT that lands before the
+    # wrapped block starts (raised by the handler: it is outside vLLM's frames) still restores
+    # the previous handler and stops the redelivery thread.
+    previous = signal.getsignal(signal.SIGINT)
     thread = threading.Thread(target=redeliver, name="glm5-sigint-redelivery", daemon=True)
-    thread.start()
     failed = False
     try:
+        signal.signal(signal.SIGINT, handler)
+        thread.start()
         yield lambda: held[0]
     except BaseException as exc:
         failed = True
@@ -96,7 +100,8 @@ def reaching_the_caller(
         raise
     finally:
         done.set()
-        thread.join()
+        if thread.ident is not None:
+            thread.join()
         signal.signal(signal.SIGINT, previous)
         if interrupted.is_set() and not failed:
             raise KeyboardInterrupt("SIGINT during the engine start")
