@@ -40,6 +40,15 @@ class NoxSession(Protocol):
         terminate_timeout: float | None = 0.2,
     ) -> str | None: ...
 
+    # As nox.Session.run_install: runs under --install-only too (session.run is skipped there).
+    def run_install(
+        self,
+        *args: str | os.PathLike[str],
+        env: Mapping[str, str | None] | None = None,
+        silent: bool = False,
+        external: Literal["error", True, False] | None = None,
+    ) -> str | bool | None: ...
+
     def log(self, *args: Any, **kwargs: Any) -> None: ...
 
     def warn(self, *args: Any, **kwargs: Any) -> None: ...
@@ -51,3 +60,11 @@ class NoxSession(Protocol):
     def skip(self, *args: Any) -> NoReturn:
         """End the session as skipped (raises)."""
         ...
+
+
+def install_only(session: NoxSession) -> bool:
+    """Whether nox runs with --install-only: build the environments, run nothing. nox keeps
+    this in its global config only (no public attribute); a session without one (a test's
+    stand-in) is not install-only."""
+    runner = getattr(session, "_runner", None)
+    return bool(getattr(getattr(runner, "global_config", None), "install_only", False))

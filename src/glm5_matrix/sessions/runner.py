@@ -16,7 +16,7 @@ import contextlib
 import os
 import shutil
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -30,6 +30,7 @@ from glm5_matrix.matrix.matrix import MATRIX_FILE, Matrix, Variant, load_matrix
 from glm5_matrix.matrix.profiles import load_profile
 from glm5_matrix.models import drafters, weights
 from glm5_matrix.results import closing, executed, schema
+from glm5_matrix.sessions import nox_session
 from glm5_matrix.sessions.nox_session import NoxSession
 
 VENVS_VARIABLE = "GLM5_MATRIX_VENVS"
@@ -166,6 +167,9 @@ def _run_variant(
         posargs = session.posargs if call.posargs is None else call.posargs
         options = parse_posargs(list(posargs), environ)
         check_profile(variant)
+        if nox_session.install_only(session):
+            _install_only(session, variant, environ, options)
+            return None
         model_source = resolve_weights(variant, options.model, environ)
         check_drafter(variant, environ)
         found = hardware.detect(environ)
@@ -182,6 +186,23 @@ def _run_variant(
         return _run_leased(
             session, variant, environ, out, call, options, model_source, verdict, lease
         )
+
+
+def _install_only(
+    session: NoxSession, variant: Variant, environ: dict[str, str], options: RunOptions
+) -> None:
+    """`nox --install-only`: the cell's environment built (or found current), and nothing else:
+    no lease, no kernel cache, its results folder left as the last run wrote it."""
+    env = environments.load_envs(repo_root())[variant.env]
+    override = environments.resolve_vllm_override(options.vllm, env)
+    built = environments.build(env, venv_dir(variant, environ), override, run=_installer(session))
+    session.log(f"environment {variant.env}: {built.describe()} (--install-only: no tests run)")
+
+
+def _installer(session: NoxSession) -> Callable[[list[str]], object]:
+    """How an environment's build commands run: nox's install step, so that --install-only
+    runs them (session.run skips every command there)."""
+    return lambda cmd: session.run_install(*cmd, external=True)
 
 
 def take_lease(
@@ -224,7 +245,7 @@ def _run_leased(
             env,
             venv_dir(variant, environ),
             override,
-            run=lambda cmd: session.run(*cmd, external=True),
+            run=_installer(session),
         )
         cell_environment = {**built.environment, **variant.cell.environment}
         kernels = None

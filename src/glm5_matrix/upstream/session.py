@@ -25,6 +25,7 @@ from glm5_matrix.errors import UserError
 from glm5_matrix.files import repo_root, write_json_atomic
 from glm5_matrix.machine import kill_domain
 from glm5_matrix.results import schema
+from glm5_matrix.sessions import nox_session
 from glm5_matrix.sessions.nox_session import NoxSession
 from glm5_matrix.upstream import findings, outcome, patching
 
@@ -57,10 +58,13 @@ def run(session: NoxSession) -> None:
         env = environments.load_envs(root)[ENV]
         venvs = Path(environ.get(VENVS_VARIABLE) or root / ".nox")
         built = environments.build(
-            env, venvs / VENV, run=lambda cmd: session.run(*cmd, external=True, silent=True)
+            env, venvs / VENV, run=lambda cmd: session.run_install(*cmd, external=True, silent=True)
         )
     except UserError as exc:
         session.error(str(exc))
+    if nox_session.install_only(session):
+        session.log(f"environment {ENV}: {built.describe()} (--install-only: nothing reproduced)")
+        return
     out = schema.results_base(environ) / "upstream"
     out.mkdir(parents=True, exist_ok=True)
     run_env = {
