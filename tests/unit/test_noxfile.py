@@ -277,3 +277,18 @@ def test_a_profile_typo_is_one_line_before_anything_is_built(tmp_path, cell):
     assert str(profile) in lines[0]
     assert "wheel file not found" not in result.stderr
     assert not venvs.exists()
+
+
+def test_install_only_builds_the_environment_and_runs_nothing(tmp_path):
+    """`nox --install-only` (how a pipeline builds environments ahead of the runs): the cell's
+    environment is built through nox's install step and nothing else happens, no command run
+    and no results folder touched. Before, the build ran through session.run, which nox skips
+    under --install-only, and the runner then wrote its fingerprint into a venv never made."""
+    venvs, results = tmp_path / "venvs", Path(_RESULTS[-1])
+    result = nox("--install-only", "-s", "lint", GLM5_MATRIX_VENVS=str(venvs))
+    assert result.returncode == 0, result.stderr
+    assert "(--install-only: no tests run)" in result.stderr
+    assert (venvs / "lint" / "bin" / "python").is_file()
+    assert (venvs / "lint" / ".glm5-matrix-env.json").is_file()
+    assert "ruff check" not in result.stderr
+    assert not results.exists()
