@@ -28,7 +28,9 @@ def run(session: NoxSession, argv: list[str]) -> None:
     try:
         env = environments.load_envs(repo_root())[ENV]
         built = environments.build(
-            env, venv_dir(environ), run=lambda cmd: session.run_install(*cmd, external=True, silent=True)
+            env,
+            venv_dir(environ),
+            run=lambda cmd: session.run_install(*cmd, external=True, silent=True),
         )
     except UserError as exc:
         session.error(str(exc))
