@@ -446,9 +446,11 @@ def compile_record(
     wrote, glm5_matrix.kernels.writers), the kernel files the cache held when the start began
     (0: a cold start, the only kind a cold-against-warm comparison may use), and whether the
     guard was on (then a start that compiled is refused right after this is recorded). With
-    `writes` (writers.FileWrite.record() of every file written in the window): "written", the
-    first FILES_LISTED of them with writer, pids and whether counted, and "not_counted", the
-    files per library that another process wrote (or whose writer was not seen beside one)."""
+    `writes` (writers.FileWrite.record() of every file written in the window): "written", at
+    most FILES_LISTED of them with writer, pids and whether counted, the counted ones first (a
+    cell's own compile beside a busy stranger must not be cut from its own list), "written_total",
+    how many there were, and "not_counted", the files per library that another process wrote
+    (or whose writer was not seen beside one)."""
     record: dict[str, object] = {
         "seconds": None if seconds is None else round(seconds, 2),
         "entries_added": {name: len(paths) for name, paths in sorted(changed.items())},
@@ -461,7 +463,10 @@ def compile_record(
             if not write["counted"]:
                 left[str(write["library"])] = left.get(str(write["library"]), 0) + 1
         record["not_counted"] = dict(sorted(left.items()))
-        record["written"] = writes[:FILES_LISTED]
+        # Stable: within each kind the order the watch recorded.
+        ordered = sorted(writes, key=lambda write: not write["counted"])
+        record["written"] = ordered[:FILES_LISTED]
+        record["written_total"] = len(writes)
     return record
 
 

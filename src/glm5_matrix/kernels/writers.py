@@ -56,7 +56,9 @@ Each file written in the window is then (attribute()):
 - "unseen": no writer known. Counted only when no process outside the cell was seen in the
   cache at all in the window, writing or able to (then the cell's processes are the only ones
   that could have written it); else not counted, said so with those processes. Another process
-  never fails the cell: its unseen write is beside it, seen as able to write. The price: an
+  in the cache never fails the cell: its unseen write is beside it, seen as able to write. The
+  limit: one in none of the ways, too quick to be seen writing, is taken for nobody and its
+  write counts (test_control_a_stranger_in_no_way_in_the_cache_is_not_seen). The price: an
   unseen write of the cell's own (a short in-process one) is not counted while another process
   is in the cache, e.g. under `nox -j N` (the cell's compiles through a compiler, ninja's or
   FlashInfer's, DeepGEMM's nvcc, TileLang's, and Triton's puts, are seen and still count).

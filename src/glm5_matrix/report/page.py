@@ -233,7 +233,11 @@ def _written_list(start: dict[str, Any], shown: int = 20) -> str:
             f"<li><code>{escape(str(record.get('library')))}/{escape(str(record.get('path')))}"
             f"</code>: {escape(who)}, {verdict}</li>"
         )
-    more = f"<li>... {len(files) - shown} more</li>" if len(files) > shown else ""
+    # The record lists at most kernel_cache.FILES_LISTED files; written_total says how many.
+    compile_ = start.get("compile")
+    total = compile_.get("written_total") if isinstance(compile_, dict) else None
+    total = total if isinstance(total, int) else len(files)
+    more = f"<li>... {total - len(items)} more</li>" if total > len(items) else ""
     return f"<details><summary>files</summary><ul>{''.join(items)}{more}</ul></details>"
 
 

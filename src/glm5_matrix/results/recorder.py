@@ -47,7 +47,8 @@ class EngineStart:
     # each library's cache gained or rewrote during the start that count against it (its own
     # processes wrote them, glm5_matrix.kernels.writers), "not_counted", those per library that
     # another process wrote (or whose writer was not seen while another process wrote the
-    # cache), "written", each file written (at most kernel_cache.FILES_LISTED) with "library",
+    # cache), "written", each file written (at most kernel_cache.FILES_LISTED, the counted ones
+    # first; "written_total" says how many) with "library",
     # "path", "writer" ("cell", "other", "unseen"), "pids", "command" and "counted",
     # "files_before", the kernel files the cache held when it began (0: a cold start), and
     # "guard", whether the kernel guard was on (a start that compiled under it was refused).

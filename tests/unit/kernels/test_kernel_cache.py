@@ -283,3 +283,26 @@ def test_refuse_compiled_names_the_files_when_the_guard_is_on(monkeypatch) -> No
         message
     )
     assert "flashinfer" not in message and "\n" not in message
+
+
+def test_the_record_lists_the_counted_files_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cell's own compile beside a busy stranger: the files that count are listed whatever
+    the stranger wrote before them (the H200's control wrote 619 files, 225 of them counted),
+    and the record says how many there were."""
+    monkeypatch.setattr(kernel_cache, "FILES_LISTED", 3)
+    writes: list[dict[str, object]] = [
+        {"library": "triton", "path": f"S{i}/k.cubin", "writer": "other", "counted": False}
+        for i in range(4)
+    ] + [
+        {"library": "triton", "path": f"C{i}/k.cubin", "writer": "cell", "counted": True}
+        for i in range(2)
+    ]
+    empty: kernel_cache.Snapshot = {}
+    record = kernel_cache.compile_record(
+        {"triton": ["C0/k.cubin", "C1/k.cubin"]}, None, empty, writes
+    )
+    listed = record["written"]
+    assert isinstance(listed, list)
+    assert [w["path"] for w in listed] == ["C0/k.cubin", "C1/k.cubin", "S0/k.cubin"]
+    assert record["written_total"] == 6
+    assert record["not_counted"] == {"triton": 4}
