@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import results_tree
 from junitparser import JUnitXml
-from scaffold import environ_without
+from scaffold import environ_without, run_nox
 
 from glm5_matrix.files import repo_root
 from glm5_matrix.report import command, junit, markdown, model, page
@@ -237,24 +237,11 @@ def test_an_unreadable_results_json_is_interrupted_not_a_crash(tmp_path):
 def test_nox_session_builds_the_report(tree, tmp_path):
     """`nox -s report -- RESULTS --output DIR` for real: the tool runs in the harness env."""
     out = tmp_path / "out"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "nox",
-            "-f",
-            str(ROOT / "noxfile.py"),
-            "-s",
-            "report",
-            "--",
-            str(tree),
-            "--output",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
+    result = run_nox(
+        ROOT,
+        ("-s", "report", "--", str(tree), "--output", str(out)),
+        environ_without(),
         timeout=600,
-        env=environ_without(),
     )
     assert result.returncode == 0, result.stderr[-2000:]
     cells = len(results_tree.matrix().variants) + 1
