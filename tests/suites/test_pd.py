@@ -249,14 +249,13 @@ def record(
     pd = _pd(profile)
     model, args, env = pd_server_args(cell, profile, "prefill")
     _, decode_args, _ = pd_server_args(cell, profile, "decode")  # its own TP, where the cell says
+    _, refused_args, _ = pd_server_args(cell, profile, "other")  # P's, or its own TP and cores
     other_model, other_args = _other_model(
-        profile, model, args, tmp_path_factory.mktemp("other") / "model"
+        profile, model, refused_args, tmp_path_factory.mktemp("other") / "model"
     )
     p = _server("prefill", model, args, env, "prefill", profile, log_dir, cell)
     d = _server("decode", model, decode_args, env, "decode", profile, log_dir, cell)
-    other = _server(
-        "prefill-other", other_model, other_args, env, "prefill", profile, log_dir, cell
-    )
+    other = _server("prefill-other", other_model, other_args, env, "other", profile, log_dir, cell)
     timeout = float(pd["request_timeout_s"])
     max_tokens = int(pd["max_tokens"])
     # All three start together: their start-ups overlap, and the negative control's prefiller

@@ -167,14 +167,25 @@ def pd_table(profile: Profile) -> dict[str, Any]:
     return table
 
 
-PD_ROLES = ("prefill", "decode")
+# "other": the negative control's prefiller (a model with other weights, which D must refuse).
+# It is a prefiller like P unless the cell gives it its own `other_tp` / `other_environment`:
+# the refusal is NIXL's compatibility hash, at any TP, so a TP cell on a 2-core box runs it at
+# TP1 on the core its P and D leave less busy, not as a second set of P's ranks.
+PD_ROLES = ("prefill", "decode", "other")
+
+
+def _check_role(cell: CellContext, role: str) -> None:
+    if role not in PD_ROLES:
+        raise UserError(f"cell {cell.id}: PD role {role!r} is not one of {list(PD_ROLES)}")
 
 
 def pd_role_tp(cell: CellContext, role: str) -> int:
     """The tensor-parallel size of a PD server in `role`: the cell's `prefill_tp` / `decode_tp`
-    setting (P and D at other TP sizes, issue 36), else the cell's tp."""
-    if role not in PD_ROLES:
-        raise UserError(f"cell {cell.id}: PD role {role!r} is not one of {list(PD_ROLES)}")
+    / `other_tp` setting (P and D at other TP sizes, issue 36), else P's for the other
+    prefiller, else the cell's tp."""
+    _check_role(cell, role)
+    if role == "other" and cell.setting("other_tp") is None:
+        return pd_role_tp(cell, "prefill")
     return int(cell.setting(f"{role}_tp", cell.tp or 1))
 
 
@@ -183,8 +194,10 @@ def pd_role_engine_args(cell: CellContext, role: str) -> dict[str, Any]:
     gives P and D their own, and the cell's `block_size` (one block for both sides: vLLM's NIXL
     handshake needs the local block to be a multiple of the remote one, and the hybrid
     aligner's automatic block depends on TP)."""
+    _check_role(cell, role)
     args: dict[str, Any] = {}
-    if cell.setting(f"{role}_tp") is not None:
+    own = [role] + (["prefill"] if role == "other" else [])
+    if any(cell.setting(f"{r}_tp") is not None for r in own):
         args["tensor_parallel_size"] = pd_role_tp(cell, role)
     if cell.setting("block_size") is not None:
         args["block_size"] = int(cell.setting("block_size"))
@@ -242,12 +255,16 @@ def pd_server_args(
 def pd_role_environment(
     profile: Profile, role: str, cell: CellContext | None = None
 ) -> dict[str, str]:
-    """The environment of a PD server in `role` ("prefill" or "decode") beside the shared one:
-    the profile's [pd] tables, then the cell's `{role}_environment` setting (a D at TP2 binds
-    one core per rank)."""
+    """The environment of a PD server in `role` (one of PD_ROLES) beside the shared one: the
+    profile's [pd] tables, then the cell's `{role}_environment` setting (a D at TP2 binds one
+    core per rank); the other prefiller takes P's first, then its own."""
     pd = pd_table(profile)
-    own = cell.setting(f"{role}_environment", {}) if cell is not None else {}
-    table = {**pd.get("environment", {}), **pd.get(f"{role}_environment", {}), **own}
+    # The other prefiller: P's tables, then its own.
+    roles = ["prefill", "other"] if role == "other" else [role]
+    table = dict(pd.get("environment", {}))
+    for r in roles:
+        table.update(pd.get(f"{r}_environment", {}))
+        table.update(cell.setting(f"{r}_environment", {}) if cell is not None else {})
     return {str(k): str(v) for k, v in table.items()}
 
 

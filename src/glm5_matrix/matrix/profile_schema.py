@@ -88,6 +88,7 @@ SCHEMA: dict[str, Any] = {
         "environment": OPEN,
         "prefill_environment": OPEN,
         "decode_environment": OPEN,
+        "other_environment": OPEN,
         "prompt_whole_blocks": "number",
         "unaligned_prompt_blocks": "number",
         "max_tokens": "int",

@@ -184,3 +184,50 @@ def test_a_chunk_budget_needs_the_planner(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setitem(profile.data["prompts"], "prefill_chunk_blocks", 1)
     with pytest.raises(UserError, match="prefill_chunk_blocks needs the layout planner"):
         engine_configs.prefill_chunk_args(_cell("e2e-cpu"), profile)
+
+
+def _ranks_per_core(cell: CellContext, profile) -> dict[str, int]:
+    """How many engine ranks of the pd suite's three servers each core is bound to."""
+    per_core: dict[str, int] = {}
+    for role in engine_configs.PD_ROLES:
+        tp = engine_configs.pd_role_tp(cell, role)
+        binding = engine_configs.pd_role_environment(profile, role, cell)
+        cores = binding["VLLM_CPU_OMP_THREADS_BIND"].split("|")
+        assert len(cores) == tp, f"{cell.id} {role}: {tp} ranks bound to {cores}"
+        for core in cores:
+            per_core[core] = per_core.get(core, 0) + 1
+    return per_core
+
+
+@pytest.mark.parametrize(
+    ("variant", "tps", "per_core"),
+    [
+        ("pd-nixl-cpu", (1, 1, 1), {"0": 2, "1": 1}),
+        ("pd-nixl-cpu-tp1-tp2", (1, 2, 1), {"0": 2, "1": 2}),
+        ("pd-nixl-cpu-tp2-tp1", (2, 1, 1), {"0": 2, "1": 2}),
+    ],
+)
+def test_the_refused_prefiller_runs_at_tp1_on_the_less_busy_core(
+    variant: str, tps: tuple[int, int, int], per_core: dict[str, int]
+) -> None:
+    """The negative control's prefiller (other weights, refused by NIXL's compatibility hash
+    at any TP) is P's configuration unless the cell says: the TP cells run it at TP1 on the core
+    P and D leave less busy, so no core of the 2-core box holds three ranks (P at TP2 beside
+    a second TP2 prefiller put three on core 1, and the cell took over 10 minutes)."""
+    cell, profile = _cell(variant), load_profile("tiny-hybrid-cpu-tp")
+    if variant == "pd-nixl-cpu":
+        profile = load_profile("tiny-hybrid-cpu")
+    got = tuple(engine_configs.pd_role_tp(cell, r) for r in engine_configs.PD_ROLES)
+    assert got == tps
+    assert _ranks_per_core(cell, profile) == per_core
+    other = engine_configs.pd_role_engine_args(cell, "other")
+    prefill = engine_configs.pd_role_engine_args(cell, "prefill")
+    if variant == "pd-nixl-cpu":
+        assert other == prefill == {}
+    else:  # the TP cells name every server's TP, and one block for all
+        assert other == {**prefill, "tensor_parallel_size": tps[2]}
+
+
+def test_an_unknown_pd_role_is_refused() -> None:
+    with pytest.raises(UserError, match="PD role 'refused'"):
+        engine_configs.pd_role_tp(_cell("pd-nixl-cpu"), "refused")
