@@ -1,6 +1,7 @@
 """Scaffolding several unit-test files share: nox and the `glm5-matrix` CLI run in a child
 process, the kernel-cache key the kernel tests build caches for, and a threaded HTTP server
-on a free loopback port, and this process's environment less the harness's own variables."""
+on a free loopback port, and this process's environment less the harness's own variables or
+with the checkout's src/ on PYTHONPATH."""
 
 from __future__ import annotations
 
@@ -44,6 +45,15 @@ def environ_without(*prefixes: str) -> dict[str, str]:
     a child that must see none of this run's GLM5_MATRIX_* settings."""
     drop = prefixes or ("GLM5_",)
     return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+
+
+def environ_with_src(*drop: str, **extra: str) -> dict[str, str]:
+    """os.environ with the checkout's src/ first on PYTHONPATH, less the variables named in
+    `drop`, plus `extra`: a child Python that imports glm5_matrix from this checkout."""
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SRC), env.get("PYTHONPATH")) if p)
+    env.update(extra)
+    return env
 
 
 def run_nox(

@@ -17,13 +17,12 @@ from pathlib import Path
 
 import pytest
 from polling import wait_for
+from scaffold import environ_with_src
 
 from glm5_matrix.errors import UserError
 from glm5_matrix.machine import kill_domain, processes, supervision
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
-
-SRC = str(Path(kill_domain.__file__).parent.parent)
 
 # Starts a sleeper, a child in its own session, and a grandchild that double-forks (the middle
 # process exits, so the grandchild is orphaned); writes their pids, one a line, then sleeps.
@@ -73,13 +72,6 @@ RUNNER = textwrap.dedent(
 )
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, env.get("PYTHONPATH")) if p)
-    env.pop(kill_domain.VARIABLE, None)
-    return env
-
-
 def _read_pids(path: Path) -> dict[int, int | None]:
     pids = [int(p) for p in wait_for(lambda: path.is_file() and path.read_text()).split()]
     return {pid: processes.start_time(pid) for pid in pids}
@@ -113,7 +105,7 @@ def test_a_cgroup_domain_holds_the_whole_tree_and_kills_it(tmp_path: Path, mecha
     command = supervision.die_with_parent(
         [sys.executable, "-c", TREE, str(pid_file)], signal.SIGTERM, join=domain.procs_file()
     )
-    proc = subprocess.Popen(command, env=_env())
+    proc = subprocess.Popen(command, env=environ_with_src(kill_domain.VARIABLE))
     pids = _read_pids(pid_file)
     assert sorted(domain.members()) == sorted(pids)  # the orphan and the setsid child too
     started = time.monotonic()
@@ -149,7 +141,7 @@ def test_the_subreaper_domain_kills_what_came_back_to_it(tmp_path: Path) -> None
     pid_file = tmp_path / "pids"
     subprocess.run(
         [sys.executable, "-c", script, TREE, str(pid_file), str(report)],
-        env=_env(),
+        env=environ_with_src(kill_domain.VARIABLE),
         check=True,
         timeout=60,
     )
@@ -167,7 +159,8 @@ def test_sigkill_of_the_supervisor_still_kills_the_whole_tree(
         _available(mechanism).kill()
     pid_file, report = tmp_path / "pids", tmp_path / "report.json"
     runner = subprocess.Popen(
-        [sys.executable, "-c", RUNNER, TREE, str(pid_file), mechanism, str(report)], env=_env()
+        [sys.executable, "-c", RUNNER, TREE, str(pid_file), mechanism, str(report)],
+        env=environ_with_src(kill_domain.VARIABLE),
     )
     pids = _read_pids(pid_file)
     supervisor = [
@@ -195,7 +188,7 @@ def test_the_watchdog_kills_the_tree_when_runner_and_supervisor_are_killed(
     pid_file, report = tmp_path / "pids", tmp_path / "report.json"
     runner = subprocess.Popen(
         [sys.executable, "-c", RUNNER, TREE, str(pid_file), mechanism, str(report)],
-        env=_env(),
+        env=environ_with_src(kill_domain.VARIABLE),
         start_new_session=True,
     )
     pids = _read_pids(pid_file)

@@ -17,19 +17,11 @@ from pathlib import Path
 
 import pytest
 from polling import wait_for
+from scaffold import environ_with_src
 
-from glm5_matrix.machine import processes, supervision
+from glm5_matrix.machine import processes
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux prctl")
-
-SRC = str(Path(supervision.__file__).parent.parent)
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, env.get("PYTHONPATH")) if p)
-    env.update(extra)
-    return env
 
 
 def _supervise(
@@ -46,7 +38,7 @@ def _supervise(
             "--",
             *command,
         ],
-        env=env or _env(),
+        env=env or environ_with_src(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -236,7 +228,7 @@ def test_the_supervisor_stops_the_cell_when_the_runner_is_killed_outright(
             "600",
             str(marker),
         ],
-        env=_env(),
+        env=environ_with_src(),
         start_new_session=True,  # the runner leads a process group, as nox -j's sessions do
     )
     grandchild = int(wait_for(lambda: pid_file.is_file() and pid_file.read_text()))
@@ -268,7 +260,9 @@ def test_die_with_parent_takes_the_command_down_with_its_parent(tmp_path: Path) 
         """
     )
     command = [b"-c", b"import time; time.sleep(600)"]
-    parent = subprocess.Popen([sys.executable, "-c", parent_code, str(pid_file)], env=_env())
+    parent = subprocess.Popen(
+        [sys.executable, "-c", parent_code, str(pid_file)], env=environ_with_src()
+    )
     sleeper = int(wait_for(lambda: pid_file.is_file() and pid_file.read_text()))
     # The small step before the command has exec'd it: the process is the command now.
     wait_for(lambda: Path(f"/proc/{sleeper}/cmdline").read_bytes().split(b"\0")[1:3] == command)
@@ -312,7 +306,7 @@ def test_stop_on_signals_forwards_the_first_signal_and_waits(tmp_path: Path) -> 
     seen = tmp_path / "seen"
     proc = subprocess.Popen(
         [sys.executable, "-c", _FORWARDING, _SIGNAL_WRITER, str(seen)],
-        env=_env(),
+        env=environ_with_src(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -347,7 +341,9 @@ def _stub_smi(tmp_path: Path, apps: str) -> dict[str, str]:
         "esac\n"
     )
     script.chmod(0o755)
-    return _env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", CUDA_VISIBLE_DEVICES="1")
+    return environ_with_src(
+        PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", CUDA_VISIBLE_DEVICES="1"
+    )
 
 
 def test_gpu_cell_refuses_to_start_on_a_held_gpu_in_one_line(tmp_path: Path) -> None:
@@ -429,7 +425,7 @@ _MAIN_NOX = textwrap.dedent(
 def test_the_main_nox_exits_only_when_every_cell_is_gone(sig: int) -> None:
     main = subprocess.Popen(
         [sys.executable, "-c", _MAIN_NOX, _WORKER],
-        env=_env(),
+        env=environ_with_src(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -468,7 +464,9 @@ def test_a_nox_worker_is_stopped_when_the_main_nox_is_killed(tmp_path: Path) -> 
         time.sleep(600)
         """
     )
-    proc = subprocess.Popen([sys.executable, "-c", main, worker, str(marker)], env=_env())
+    proc = subprocess.Popen(
+        [sys.executable, "-c", main, worker, str(marker)], env=environ_with_src()
+    )
     wait_for(lambda: Path(f"{marker}.ready").exists())
     proc.kill()
     proc.wait()
