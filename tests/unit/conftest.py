@@ -1,6 +1,7 @@
 """Shared by the unit tests: no test writes into the machine's kernel cache or leaves library
 cache variables behind (engines and servers point them at the kernel cache when they start);
-`matrix`, the checkout's matrix.toml loaded once per test module."""
+`matrix`, the checkout's matrix.toml loaded once per test module, its cells' environments
+checked against envs/ as the runner loads it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from glm5_matrix.envs import environments
 from glm5_matrix.files import repo_root
 from glm5_matrix.matrix.matrix import MATRIX_FILE, Matrix, load_matrix
 
@@ -26,4 +28,5 @@ def private_kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[N
 
 @pytest.fixture(scope="module")
 def matrix() -> Matrix:
-    return load_matrix(repo_root() / MATRIX_FILE)
+    root = repo_root()
+    return load_matrix(root / MATRIX_FILE, known_envs=set(environments.load_envs(root)))

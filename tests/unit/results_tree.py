@@ -13,7 +13,7 @@ from pathlib import Path
 
 from glm5_matrix.files import repo_root
 from glm5_matrix.matrix import context
-from glm5_matrix.matrix.matrix import MATRIX_FILE, Matrix, load_matrix
+from glm5_matrix.matrix.matrix import Matrix, Variant
 from glm5_matrix.results import closing
 
 ROOT = repo_root()
@@ -51,12 +51,7 @@ def test_two():
 """
 
 
-def matrix() -> Matrix:
-    return load_matrix(ROOT / MATRIX_FILE)
-
-
-def _run_suite(base: Path, variant_id: str, source: str, work: Path) -> None:
-    variant = matrix().variant(variant_id)
+def _run_suite(base: Path, variant: Variant, source: str, work: Path) -> None:
     out = base / variant.slug
     out.mkdir(parents=True)
     ctx = context.for_variant(
@@ -94,17 +89,16 @@ def _run_suite(base: Path, variant_id: str, source: str, work: Path) -> None:
     )
 
 
-def build(base: Path, work: Path) -> Path:
-    """results/ with: e2e-cpu (pass, fail, skip, xfail, figures, an engine start), unit (all
+def build(base: Path, work: Path, matrix: Matrix) -> Path:
+    """results/ for `matrix` (the checkout's, the `matrix` fixture) with: e2e-cpu (pass, fail, skip, xfail, figures, an engine start), unit (all
     pass), lint (a failing command), e2e-tp1(deep_gemm) (skipped in preflight), pd-nixl-cpu
     (no results.json: killed), offload-tp1(simple) (complete: false), and old-cell (a cell
     no longer in the matrix). The other cells have no folder: not run."""
-    _run_suite(base, "e2e-cpu", SUITE, work)
-    _run_suite(base, "unit", PASSING, work)
-    m = matrix()
+    _run_suite(base, matrix.variant("e2e-cpu"), SUITE, work)
+    _run_suite(base, matrix.variant("unit"), PASSING, work)
     lint = base / "lint"
     lint.mkdir()
-    recorded = closing.CommandResults(lint, asdict(context.for_variant(m.variant("lint"))))
+    recorded = closing.CommandResults(lint, asdict(context.for_variant(matrix.variant("lint"))))
     with recorded.command(["ruff", "check", "."]):
         pass
     try:
@@ -116,18 +110,20 @@ def build(base: Path, work: Path) -> Path:
     skipped.mkdir()
     closing.write_skip(
         skipped,
-        asdict(context.for_variant(m.variant("e2e-tp1(deep_gemm)"))),
+        asdict(context.for_variant(matrix.variant("e2e-tp1(deep_gemm)"))),
         "e2e-tp1 needs 1 GPU(s) with compute capability >= 9.0; found no GPU",
     )
     killed = base / "pd-nixl-cpu"
     killed.mkdir()
-    (killed / "context.json").write_text(context.for_variant(m.variant("pd-nixl-cpu")).to_json())
+    (killed / "context.json").write_text(
+        context.for_variant(matrix.variant("pd-nixl-cpu")).to_json()
+    )
     ended = base / "offload-tp1-simple"
     ended.mkdir()
     (ended / "results.json").write_text(
         json.dumps(
             {
-                "cell": asdict(context.for_variant(m.variant("offload-tp1(simple)"))),
+                "cell": asdict(context.for_variant(matrix.variant("offload-tp1(simple)"))),
                 "exit_status": 1,
                 "wall_seconds": 40.0,
                 "outcomes": {"passed": 1, "interrupted": 1},

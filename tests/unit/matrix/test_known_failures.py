@@ -14,7 +14,7 @@ from glm5_matrix.errors import UserError
 from glm5_matrix.files import repo_root
 from glm5_matrix.matrix import known_failures
 from glm5_matrix.matrix.context import for_variant
-from glm5_matrix.matrix.matrix import load_matrix
+from glm5_matrix.matrix.matrix import Matrix
 
 pytest_plugins = ("pytester",)
 
@@ -142,14 +142,14 @@ def test_plugin_reports_an_unexpected_pass_as_fixed_upstream(pytester, monkeypat
     result.stdout.fnmatch_lines(["*fixed upstream: remove this entry from known-failures.toml*"])
 
 
-def _context(kernel_guard: bool) -> dict:
-    variant = load_matrix(repo_root() / "matrix.toml").variant("e2e-tp1(deep_gemm)")
+def _context(matrix: Matrix, kernel_guard: bool) -> dict:
+    variant = matrix.variant("e2e-tp1(deep_gemm)")
     return asdict(for_variant(variant, kernel_guard=kernel_guard))
 
 
 @pytest.mark.parametrize(("kernel_guard", "outcome"), [(True, "xfailed"), (False, "failed")])
 def test_plugin_applies_a_guard_entry_only_under_the_guard(
-    pytester, monkeypatch, kernel_guard: bool, outcome: str
+    pytester, monkeypatch, matrix: Matrix, kernel_guard: bool, outcome: str
 ) -> None:
     """Under the guard the entry marks the failing test xfail; without it the test runs plainly
     and its failure shows (the control)."""
@@ -159,7 +159,7 @@ def test_plugin_applies_a_guard_entry_only_under_the_guard(
         "0.33.0",
         fixed=False,
         entry=ENTRY + "guard = true\n",
-        context=_context(kernel_guard),
+        context=_context(matrix, kernel_guard),
     )
     result.assert_outcomes(**{outcome: 1})
 

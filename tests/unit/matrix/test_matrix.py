@@ -44,11 +44,6 @@ CPU_CELLS = {
 }
 
 
-@pytest.fixture(scope="module")
-def matrix():
-    return load_matrix(ROOT / "matrix.toml", known_envs=ENVS)
-
-
 def test_every_cell_users_type_is_there(matrix):
     ids = {variant.id for variant in matrix.variants}
     assert ids >= GPU_VARIANTS

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import results_tree
 
+from glm5_matrix.matrix.matrix import Matrix
 from glm5_matrix.report import browser, command, model
 
 INSTALL_TIMEOUT_S = 900
@@ -51,23 +52,25 @@ def chromium() -> str:
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[model.MatrixReport, Path]:
+def built(
+    tmp_path_factory: pytest.TempPathFactory, matrix: Matrix
+) -> tuple[model.MatrixReport, Path]:
     base = tmp_path_factory.mktemp("browser")
-    tree = results_tree.build(base / "results", base / "work")
-    made = model.collect(results_tree.matrix(), tree)
+    tree = results_tree.build(base / "results", base / "work", matrix)
+    made = model.collect(matrix, tree)
     out = base / "results" / "report"
     command.write(made, out)
     return made, out / "report.html"
 
 
-def test_the_report_loads_cleanly_with_every_cell_and_test(chromium, built):
+def test_the_report_loads_cleanly_with_every_cell_and_test(chromium, built, matrix):
     made, page = built
     shot = page.with_name("report.png")
     checked = browser.check_report(page, made, shot)
     assert checked.ok, checked.describe()
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # a real screenshot, beside the page
     facts = checked.load.facts
-    assert len(facts["cells"]) == len(made.cells) == len(results_tree.matrix().variants) + 1
+    assert len(facts["cells"]) == len(made.cells) == len(matrix.variants) + 1
     assert facts["rows"] == len({(t.file, t.name) for c in made.cells for t in c.tests})
     assert checked.load.errors == [] and checked.load.requests == []
     # the filter leaves only the rows that failed somewhere

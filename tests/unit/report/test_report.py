@@ -17,20 +17,21 @@ from junitparser import JUnitXml
 from scaffold import environ_without, run_nox
 
 from glm5_matrix.files import repo_root
+from glm5_matrix.matrix.matrix import Matrix
 from glm5_matrix.report import command, junit, markdown, model, page
 
 ROOT = repo_root()
 
 
 @pytest.fixture(scope="module")
-def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tree(tmp_path_factory: pytest.TempPathFactory, matrix: Matrix) -> Path:
     base = tmp_path_factory.mktemp("run")
-    return results_tree.build(base / "results", base / "work")
+    return results_tree.build(base / "results", base / "work", matrix)
 
 
 @pytest.fixture(scope="module")
-def built(tree: Path) -> model.MatrixReport:
-    return model.collect(results_tree.matrix(), tree)
+def built(tree: Path, matrix: Matrix) -> model.MatrixReport:
+    return model.collect(matrix, tree)
 
 
 def _cell(built: model.MatrixReport, cell_id: str) -> model.CellReport:
@@ -38,7 +39,7 @@ def _cell(built: model.MatrixReport, cell_id: str) -> model.CellReport:
     return cell
 
 
-def test_every_outcome_a_cell_can_have(built):
+def test_every_outcome_a_cell_can_have(built, matrix):
     status = {c.id: c.label for c in built.cells}
     assert status["e2e-cpu"] == "failed"
     assert status["unit"] == "passed"
@@ -55,10 +56,10 @@ def test_every_outcome_a_cell_can_have(built):
     assert "| not run |" in row and "passed" not in row
     # Every variant of the matrix is there, in matrix order, then what the matrix lost.
     ids = [c.id for c in built.cells]
-    assert ids[:-1] == [v.id for v in results_tree.matrix().variants]
+    assert ids[:-1] == [v.id for v in matrix.variants]
     assert ids[-1] == "old-cell" and not built.cells[-1].in_matrix
     # The five cells the tree made results for (one lost from the matrix), the rest not run.
-    cells = len(results_tree.matrix().variants) + 1
+    cells = len(matrix.variants) + 1
     assert built.headline() == (
         f"{cells} cells: 2 passed, 2 failed, 1 skipped, {cells - 7} not run, 2 interrupted"
     )
@@ -167,12 +168,12 @@ def _digest(folder: Path) -> dict[str, str]:
     }
 
 
-def test_write_is_atomic_and_never_touches_the_results(tree, tmp_path):
+def test_write_is_atomic_and_never_touches_the_results(tree, tmp_path, matrix):
     before = _digest(tree)
     out = tmp_path / "report"
     out.mkdir()
     (out / "report.png").write_bytes(b"a screenshot of an earlier report")
-    written = command.write(model.collect(results_tree.matrix(), tree), out)
+    written = command.write(model.collect(matrix, tree), out)
     assert [p.name for p in written] == list(command.FILES)
     assert sorted(p.name for p in out.iterdir()) == sorted([*command.FILES, "report.png"])
     assert _digest(tree) == before
@@ -188,13 +189,13 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_cli_writes_into_results_report_and_leaves_it_out_of_the_cells(tree, tmp_path):
+def test_cli_writes_into_results_report_and_leaves_it_out_of_the_cells(tree, tmp_path, matrix):
     copy = tmp_path / "results"
     subprocess.run(["cp", "-r", str(tree), str(copy)], check=True)
     first = _cli(str(copy))
     assert first.returncode == 0, first.stderr
     second = _cli(str(copy))  # the report folder from the first run is not a cell
-    assert f"{len(results_tree.matrix().variants) + 1} cells:" in second.stdout, second.stdout
+    assert f"{len(matrix.variants) + 1} cells:" in second.stdout, second.stdout
     assert (copy / "report" / "report.html").is_file()
     assert json.loads((copy / "unit" / "results.json").read_text())["exit_status"] == 0
 
@@ -218,23 +219,23 @@ def test_cli_refuses_a_missing_folder_in_one_line(tmp_path):
         ({"exit_status": 0, "complete": True, "tests": {}}, "passed"),
     ],
 )
-def test_status_rules(tmp_path, data, label):
+def test_status_rules(tmp_path, data, label, matrix):
     folder = tmp_path / "unit"
     folder.mkdir()
     (folder / "results.json").write_text(json.dumps(data))
-    built = model.collect(results_tree.matrix(), tmp_path)
+    built = model.collect(matrix, tmp_path)
     assert _cell(built, "unit").label == label
 
 
-def test_an_unreadable_results_json_is_interrupted_not_a_crash(tmp_path):
+def test_an_unreadable_results_json_is_interrupted_not_a_crash(tmp_path, matrix):
     folder = tmp_path / "unit"
     folder.mkdir()
     (folder / "results.json").write_text('{"cell": ')
-    built = model.collect(results_tree.matrix(), tmp_path)
+    built = model.collect(matrix, tmp_path)
     assert _cell(built, "unit").label.startswith("interrupted: results.json unreadable")
 
 
-def test_nox_session_builds_the_report(tree, tmp_path):
+def test_nox_session_builds_the_report(tree, tmp_path, matrix):
     """`nox -s report -- RESULTS --output DIR` for real: the tool runs in the harness env."""
     out = tmp_path / "out"
     result = run_nox(
@@ -244,7 +245,7 @@ def test_nox_session_builds_the_report(tree, tmp_path):
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    cells = len(results_tree.matrix().variants) + 1
+    cells = len(matrix.variants) + 1
     assert f"{cells} cells: 2 passed, 2 failed" in result.stdout
     assert sorted(p.name for p in out.iterdir()) == sorted(command.FILES)
 
@@ -298,7 +299,7 @@ def test_a_start_names_its_files_and_their_writers():
     assert page._kernel_files_cell(start).startswith("<td>0; not the cell&#x27;s: 5<details>")
 
 
-def test_a_cell_whose_guards_miss_an_executed_file_is_failed(tree, tmp_path):
+def test_a_cell_whose_guards_miss_an_executed_file_is_failed(tree, tmp_path, matrix):
     """The runner fails a cell after its tests when it executed a vLLM file none of its guards
     covers (glm5_matrix.results.executed): the report must not call it passed."""
     import shutil
@@ -308,13 +309,13 @@ def test_a_cell_whose_guards_miss_an_executed_file_is_failed(tree, tmp_path):
     copy = tmp_path / "results"
     shutil.copytree(tree, copy)
     executed.record(copy / "unit", "unit", ["vllm/a.py", "vllm/b.py"], 3, [])
-    assert _cell(model.collect(results_tree.matrix(), copy), "unit").label == "passed"
+    assert _cell(model.collect(matrix, copy), "unit").label == "passed"
     left = ["vllm/x.py", "vllm/y.py", "vllm/z.py", "vllm/w.py"]
     executed.record(copy / "unit", "unit", ["vllm/a.py", *left], 3, left)
-    assert _cell(model.collect(results_tree.matrix(), copy), "unit").label == (
+    assert _cell(model.collect(matrix, copy), "unit").label == (
         "failed: executed 4 vLLM file(s) no guard covers: vllm/x.py, vllm/y.py, vllm/z.py and 1 more"
     )
     executed.record(copy / "unit", "unit", [], 0, [])
-    assert _cell(model.collect(results_tree.matrix(), copy), "unit").label == (
+    assert _cell(model.collect(matrix, copy), "unit").label == (
         "failed: no process recorded which vLLM files it executed"
     )
