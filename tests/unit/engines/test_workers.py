@@ -1,13 +1,17 @@
-"""glm5_matrix.engines.workers.block_rows: which rows of a cache view hold one scheduler block.
+"""glm5_matrix.engines.workers without vLLM: the block-table and chunk recorders' rules, and
+block_rows: which rows of a cache view hold one scheduler block.
 
 The views are numpy arrays behind torch's few accessors (the unit cell has no torch); the
 arithmetic is the same on a torch tensor."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
+from glm5_matrix.engines import workers
 from glm5_matrix.engines.workers import block_rows
 
 
@@ -53,3 +57,56 @@ def test_a_view_that_fits_neither_is_refused():
     odd = View(np.zeros((27, 2), dtype=np.int16))
     with pytest.raises(RuntimeError, match="neither packed nor block-major"):
         block_rows(odd, 5, 0, block_stride=28)
+
+
+def _step(new=(), cached=(), resumed=()):
+    """A SchedulerOutput-shaped step: new requests (id, table), cached (id, new ids or None)."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=t) for r, t in new],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, _ in cached],
+            new_block_ids=[ids for _, ids in cached],
+            resumed_req_ids=set(resumed),
+        ),
+    )
+
+
+def test_block_recorder_applies_the_scheduler_rule() -> None:
+    records: dict = {}
+    workers.record_block_tables(records, _step(new=[("a", ([1, 2], [0, 3]))]))
+    workers.record_block_tables(records, _step(cached=[("a", None)]))  # no change, no entry
+    workers.record_block_tables(records, _step(cached=[("a", ([4], [5]))]))  # appended
+    workers.record_block_tables(records, _step(cached=[("a", ([9], [8]))], resumed=["a"]))
+    assert records == {
+        "a": [[[1, 2], [0, 3]], [[1, 2, 4], [0, 3, 5]], [[9], [8]]],
+    }
+
+
+def test_block_recorder_keeps_requests_apart() -> None:
+    records: dict = {}
+    workers.record_block_tables(records, _step(new=[("a", ([1],)), ("b", ([2],))]))
+    workers.record_block_tables(records, _step(cached=[("b", ([3],))]))
+    assert records == {"a": [[[1]]], "b": [[[2]], [[2, 3]]]}
+
+
+def _chunk_step(new=(), cached=()):
+    """A SchedulerOutput-shaped step for the chunk recorder: (id, computed before, scheduled)."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, num_computed_tokens=c) for r, c, _ in new],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, _, _ in cached], num_computed_tokens=[c for _, c, _ in cached]
+        ),
+        num_scheduled_tokens={r: n for r, _, n in (*new, *cached)},
+    )
+
+
+def test_chunk_recorder_keeps_each_requests_chunks() -> None:
+    records: dict = {}
+    # A cold prefill chunked at the block, and a prefix hit of one block beside it.
+    workers.record_chunks(records, _chunk_step(new=[("cold", 0, 4352), ("hit", 4352, 2176)]))
+    workers.record_chunks(records, _chunk_step(cached=[("cold", 4352, 2176), ("hit", 6528, 1)]))
+    workers.record_chunks(records, _chunk_step(cached=[("cold", 6528, 1)]))
+    assert records == {
+        "cold": [[0, 4352], [4352, 2176], [6528, 1]],
+        "hit": [[4352, 2176], [6528, 1]],
+    }
