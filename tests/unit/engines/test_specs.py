@@ -1,6 +1,6 @@
 """glm5_matrix.engines.specs without vLLM: the MoE backend mapping, the engine arguments a cell
-gets, and when the JIT monitor joins them (with kernel_cache.jit_monitor_mode, the guard's side
-of it)."""
+gets, and when the JIT monitor joins them (kernel_cache.jit_monitor_mode, the guard's side of it, is
+tested in kernels/test_kernel_cache.py)."""
 
 from __future__ import annotations
 
@@ -71,18 +71,3 @@ def test_jit_monitor_joins_only_where_the_guard_asks_and_the_spec_is_silent(monk
     mine = specs.EngineSpec("u", "m", {"enforce_eager": False, "jit_monitor_mode": "warn"})
     assert specs.jit_monitor_args(mine) == {}
     assert asked == [False, True]
-
-
-def test_jit_monitor_mode_needs_the_guard(monkeypatch) -> None:
-    from glm5_matrix.kernels import kernel_cache
-
-    monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "0")
-    assert kernel_cache.jit_monitor_mode(False) is None
-    monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "1")
-    assert kernel_cache.jit_monitor_mode(True) is None  # vLLM disables it under enforce_eager
-    try:
-        import vllm.engine.arg_utils  # noqa: F401
-    except ImportError:  # the harness environment: no vLLM, so no monitor to ask for
-        assert kernel_cache.jit_monitor_mode(False) is None
-    else:
-        assert kernel_cache.jit_monitor_mode(False) == "error"

@@ -306,3 +306,16 @@ def test_the_record_lists_the_counted_files_first(monkeypatch: pytest.MonkeyPatc
     assert [w["path"] for w in listed] == ["C0/k.cubin", "C1/k.cubin", "S0/k.cubin"]
     assert record["written_total"] == 6
     assert record["not_counted"] == {"triton": 4}
+
+
+def test_jit_monitor_mode_needs_the_guard(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "0")
+    assert kernel_cache.jit_monitor_mode(False) is None
+    monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "1")
+    assert kernel_cache.jit_monitor_mode(True) is None  # vLLM disables it under enforce_eager
+    try:
+        import vllm.engine.arg_utils  # noqa: F401
+    except ImportError:  # the harness environment: no vLLM, so no monitor to ask for
+        assert kernel_cache.jit_monitor_mode(False) is None
+    else:
+        assert kernel_cache.jit_monitor_mode(False) == "error"

@@ -297,6 +297,10 @@ def test_a_start_names_its_files_and_their_writers():
     start["compile"]["entries_added"] = {"flashinfer": 0}
     start["compile"]["written"] = start["compile"]["written"][1:]
     assert page._kernel_files_cell(start).startswith("<td>0; not the cell&#x27;s: 5<details>")
+    # A record lists at most kernel_cache.FILES_LISTED files: the page counts the rest from
+    # written_total, not from the list it was given.
+    start["compile"]["written_total"] = 250
+    assert "<li>... 249 more</li>" in page._kernel_files_cell(start)
 
 
 def test_a_cell_whose_guards_miss_an_executed_file_is_failed(tree, tmp_path, matrix):
