@@ -151,6 +151,12 @@ def test_offload_round_trip(engine: Engine, profile: Profile, plan: LayoutPlan) 
     # Only whole blocks of prefix-cacheable groups come back (never the tail ring's slots).
     assert hits % block == 0 and hits <= length, f"{hits} hit tokens at block {block}"
     assert warm.cached_tokens == repeats[0].cached_tokens, (warm.cached_tokens, repeats)
+    # First the check that trusts none of vLLM's counts or tables (issue 35): a planted wrong
+    # restore is reported by it, not only by the copy check below, which locates the pages
+    # through the GPU repeat's table and hit count.
+    _check_restored_where_the_harness_says(
+        engine, layout, cold_located, warm_table, hits, length, block
+    )
     # A restore is a copy: every restored page (each prefix-cacheable group, each state) has the
     # bytes the GPU held before; two restored blocks exchanged must fail.
     restored = _pages(engine, layout, warm_table, cached_blocks)
@@ -159,9 +165,6 @@ def test_offload_round_trip(engine: Engine, profile: Profile, plan: LayoutPlan) 
     record_figure("offload.pages_equal", copied.pages, limit=0, relation=">", unit="pages")
     with pytest.raises(AssertionError, match="differ"):
         transfers.check_copied(stored, transfers.swapped(restored))
-    _check_restored_where_the_harness_says(
-        engine, layout, cold_located, warm_table, hits, length, block
-    )
     # The restored blocks are the GPU's bytes: the warm run resumes from the same state along
     # the same path as the GPU prefix-cache repeat, judged by the repeats' noise; and, since the
     # cold prefill ended a chunk at the same boundary (checked on the chunks the worker
