@@ -134,6 +134,9 @@ class Run:
             GLM5_MATRIX_RESULTS=str(self.folder / "results"),
             GLM5_FAULTS_PROBE=str(self.probe_path),
             PYTHONPATH=str(probe_dir),
+            # The faults cell leases the cores its runs' engines bind (matrix.toml `cores`);
+            # the runs lease among themselves, not from it (they would wait for it: 6 h).
+            GLM5_MATRIX_LEASE_DIR=str(self.folder / "leases"),
         )
         root = repo_root()
         command = [sys.executable, "-m", "nox", "-f", str(root / "noxfile.py")]

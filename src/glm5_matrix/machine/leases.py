@@ -27,6 +27,13 @@ nox -j stops a session's whole process group, and Ctrl-C reaches the foreground 
 A lease that does not come within the bound is a LeaseTimeout: the runner skips the cell, or
 fails it under GLM5_MATRIX_STRICT. No reservation: a cell that needs many GPUs waits until enough
 are free at the same time.
+
+CPU cores the same way: a cell whose engines are bound to named cores (matrix.toml `cores`, the
+cores its VLLM_CPU_OMP_THREADS_BIND settings name) leases exactly those, one `core<N>.lock` each,
+after its GPUs when it has both (one order for every cell: no two wait on each other). Two such
+cells under `nox -t cpu -j 2` on a 2-core box take turns instead of putting six engine processes
+on two cores (pd-nixl-cpu-tp2-tp1's prefiller beside pd-nixl-cpu-tp1-tp2 was not healthy after
+600 s); a cell that binds nothing leases nothing and runs beside them.
 """
 
 from __future__ import annotations
@@ -57,6 +64,18 @@ RECORD_FILE = "lease.json"  # in the cell's results folder
 _TRY_LOCK = ".try.lock"
 _REPEAT_S = 300.0  # how often an unchanged wait is said again
 _MAX_CHOICES = 20_000  # device sets scored before falling back to the lowest indices
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What is leased: GPUs (gpu<N>.lock) or CPU cores (core<N>.lock)."""
+
+    key: str  # the lock file's prefix and the key of a holder seen in a record
+    noun: str
+
+
+GPU = Kind("gpu", "GPU")
+CORE = Kind("core", "CPU core")
 
 
 class LeaseTimeout(Exception):
@@ -98,6 +117,7 @@ class Lease:
     cell: str
     gpus: tuple[int, ...] = ()
     pool: tuple[int, ...] = ()
+    cores: tuple[int, ...] = ()  # CPU cores its engines are bound to, held like GPUs
     waited_seconds: float = 0.0
     waited_for: list[dict[str, Any]] = field(default_factory=list)  # holders seen, per GPU
     lock_dir: str | None = None
@@ -113,9 +133,14 @@ class Lease:
         }
 
     def describe(self) -> str:
-        if not self.gpus:
+        if not self.gpus and not self.cores:
             return "no GPU needed"
-        text = f"GPU {_indices(self.gpus)} (pool {_indices(self.pool)})"
+        held = []
+        if self.gpus:
+            held.append(f"GPU {_indices(self.gpus)} (pool {_indices(self.pool)})")
+        if self.cores:
+            held.append(f"CPU cores {_indices(self.cores)}")
+        text = ", ".join(held)
         if self.waited_for:
             cells = sorted({str(holder["cell"]) for holder in self.waited_for})
             text += f", after waiting {self.waited_seconds:.0f} s for {', '.join(cells)}"
@@ -126,6 +151,7 @@ class Lease:
             "cell": self.cell,
             "gpus": list(self.gpus),
             "pool": list(self.pool),
+            "cores": list(self.cores),
             "waited_seconds": round(self.waited_seconds, 1),
             "waited_for": self.waited_for,
             "lock_dir": self.lock_dir,
@@ -138,6 +164,21 @@ class Lease:
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, 0)  # the holder's name goes with the lease
             os.close(fd)  # drops the flock
+
+    def joined(self, other: Lease) -> Lease:
+        """This lease and `other` (the same cell's cores after its GPUs) as one."""
+        joined = Lease(
+            self.cell,
+            self.gpus,
+            self.pool,
+            self.cores or other.cores,
+            self.waited_seconds + other.waited_seconds,
+            [*self.waited_for, *other.waited_for],
+            self.lock_dir or other.lock_dir,
+            [*self._fds, *other._fds],
+        )
+        self._fds, other._fds = [], []
+        return joined
 
     def __enter__(self) -> Lease:
         return self
@@ -216,20 +257,37 @@ def lease_cell(
     environ: dict[str, str],
     say: Callable[[str], None] = print,
 ) -> Lease:
-    """The lease of a cell that passed preflight: empty for a cell that needs no GPU."""
+    """The lease of a cell that passed preflight: its GPUs, then the CPU cores its engines are
+    bound to; empty for a cell that needs neither."""
     cell = variant.cell
-    if not cell.gpus:
-        return Lease(variant.id)
-    topology = hardware.read_topology(environ) if cell.gpus > 1 else None
-    return acquire(
-        variant.id,
-        cell.gpus,
-        pool(cell, found),
-        lock_dir=lock_dir(environ),
-        timeout_s=timeout(environ),
-        topology=topology,
-        say=say,
-    )
+    lease = Lease(variant.id)
+    if cell.gpus:
+        topology = hardware.read_topology(environ) if cell.gpus > 1 else None
+        lease = acquire(
+            variant.id,
+            cell.gpus,
+            pool(cell, found),
+            lock_dir=lock_dir(environ),
+            timeout_s=timeout(environ),
+            topology=topology,
+            say=say,
+        )
+    if cell.cores:
+        try:
+            cores = acquire(
+                variant.id,
+                len(cell.cores),
+                cell.cores,
+                lock_dir=lock_dir(environ),
+                timeout_s=timeout(environ),
+                say=say,
+                kind=CORE,
+            )
+        except BaseException:
+            lease.release()
+            raise
+        lease = lease.joined(cores)
+    return lease
 
 
 def acquire(
@@ -242,16 +300,19 @@ def acquire(
     topology: hardware.Topology | None = None,
     say: Callable[[str], None] = print,
     poll_s: float = 1.0,
+    kind: Kind | None = None,
 ) -> Lease:
-    """Lease `count` GPUs of `devices` for `cell`, waiting up to `timeout_s` seconds."""
+    """Lease `count` GPUs of `devices` for `cell` (or, with kind=CORE, CPU cores), waiting up
+    to `timeout_s` seconds."""
+    kind = kind or GPU
     devices = tuple(sorted(set(devices)))
     if count > len(devices):
-        raise UserError(f"{cell} needs {count} GPU(s); the pool has {_indices(devices)}")
+        raise UserError(f"{cell} needs {count} {kind.noun}(s); the pool has {_indices(devices)}")
     try:
-        return _acquire(cell, count, devices, lock_dir, timeout_s, topology, say, poll_s)
+        return _acquire(cell, count, devices, lock_dir, timeout_s, topology, say, poll_s, kind)
     except OSError as exc:  # the folder cannot be made or its files opened
         raise UserError(
-            f"GPU lease folder {lock_dir}: {exc.strerror or exc} (set {LEASE_DIR_VARIABLE})"
+            f"{kind.noun} lease folder {lock_dir}: {exc.strerror or exc} (set {LEASE_DIR_VARIABLE})"
         ) from None
 
 
@@ -264,6 +325,7 @@ def _acquire(
     topology: hardware.Topology | None,
     say: Callable[[str], None],
     poll_s: float,
+    kind: Kind,
 ) -> Lease:
     _prepare(lock_dir)
     started = time.monotonic()
@@ -271,7 +333,7 @@ def _acquire(
     said, said_at = "", 0.0
     while True:
         with _trying(lock_dir):
-            taken, busy = _try_all(lock_dir, devices)
+            taken, busy = _try_all(lock_dir, devices, kind)
             if len(taken) >= count:
                 chosen = choose(list(taken), count, topology)
                 for gpu in set(taken) - set(chosen):
@@ -281,15 +343,18 @@ def _acquire(
             for fd in taken.values():
                 os.close(fd)
         for gpu, holder in busy.items():
-            seen[gpu] = {"gpu": gpu, **(asdict(holder) if holder else {"cell": _UNNAMED})}
+            seen[gpu] = {kind.key: gpu, **(asdict(holder) if holder else {"cell": _UNNAMED})}
         waited = time.monotonic() - started
-        line = waiting_line(count, devices, busy)
+        line = waiting_line(count, devices, busy, kind)
         if waited >= timeout_s:
-            message = f"no GPU lease after {waited:.0f} s ({LEASE_TIMEOUT_VARIABLE}): {line}"
+            message = (
+                f"no {kind.noun} lease after {waited:.0f} s ({LEASE_TIMEOUT_VARIABLE}): {line}"
+            )
             record = {
                 "cell": cell,
                 "gpus": [],
-                "pool": list(devices),
+                "pool": list(devices) if kind is GPU else [],
+                "cores": [],
                 "waited_seconds": round(waited, 1),
                 "waited_for": list(seen.values()),
                 "lock_dir": str(lock_dir),
@@ -307,8 +372,9 @@ def _acquire(
         time.sleep(max(0.0, min(poll_s, timeout_s - waited)))
     return Lease(
         cell,
-        tuple(chosen),
-        devices,
+        tuple(chosen) if kind is GPU else (),
+        devices if kind is GPU else (),
+        tuple(chosen) if kind is CORE else (),
         waited_seconds=time.monotonic() - started if seen else 0.0,
         waited_for=list(seen.values()),
         lock_dir=str(lock_dir),
@@ -316,21 +382,24 @@ def _acquire(
     )
 
 
-def waiting_line(count: int, devices: Sequence[int], busy: dict[int, Holder | None]) -> str:
+def waiting_line(
+    count: int, devices: Sequence[int], busy: dict[int, Holder | None], kind: Kind | None = None
+) -> str:
     """What a waiting cell says, e.g.
     `waiting for GPU 0: held by e2e-tp1(deep_gemm) pid 1234 since 2026-12-01 12:03:04`."""
+    noun = (kind or GPU).noun
     by_holder: dict[str, list[int]] = {}
     for gpu in sorted(busy):
         holder = busy[gpu]
         by_holder.setdefault(holder.describe() if holder else _UNNAMED, []).append(gpu)
     if len(devices) == 1 and count == 1:
-        return f"waiting for GPU {devices[0]}: held by {next(iter(by_holder))}"
+        return f"waiting for {noun} {devices[0]}: held by {next(iter(by_holder))}"
     held = "; ".join(
-        f"GPU{'s' if len(gpus) > 1 else ''} {_indices(gpus)} held by {holder}"
+        f"{noun}{'s' if len(gpus) > 1 else ''} {_indices(gpus)} held by {holder}"
         for holder, gpus in by_holder.items()
     )
     free = len(devices) - len(busy)
-    return f"waiting for {count} of GPUs {_indices(devices)} ({free} free): {held}"
+    return f"waiting for {count} of {noun}s {_indices(devices)} ({free} free): {held}"
 
 
 def holder_of(lock_dir: Path, gpu: int) -> Holder | None:
@@ -379,13 +448,13 @@ def _trying(folder: Path) -> Iterator[None]:
 
 
 def _try_all(
-    folder: Path, devices: Sequence[int]
+    folder: Path, devices: Sequence[int], kind: Kind | None = None
 ) -> tuple[dict[int, int], dict[int, Holder | None]]:
     """Lock every free device: ({gpu: fd} taken, {gpu: holder} busy)."""
     taken: dict[int, int] = {}
     busy: dict[int, Holder | None] = {}
     for gpu in devices:
-        fd, _ = _open(folder / f"gpu{gpu}.lock")
+        fd, _ = _open(folder / f"{(kind or GPU).key}{gpu}.lock")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -33,6 +33,7 @@ _CELL_FIELDS = {
     "commands": list,
     "profile": str,
     "gpus": int,
+    "cores": list,
     "min_compute_capability": str,
     "tp": int,
     "settings": dict,
@@ -113,6 +114,9 @@ class Cell:
     commands: tuple[tuple[str, ...], ...] = ()
     profile: str | None = None
     gpus: int = 0
+    # The CPU cores its engines are bound to (VLLM_CPU_OMP_THREADS_BIND), leased like GPUs
+    # (glm5_matrix.machine.leases): cells that bind a core in common never run side by side.
+    cores: tuple[int, ...] = ()
     min_compute_capability: str | None = None
     tp: int | None = None
     settings: dict[str, Any] = field(default_factory=dict)
@@ -257,6 +261,11 @@ def _parse_cell(
     gpus = raw.get("gpus", 0)
     if gpus < 0:
         raise UserError(f"{where}.gpus: must be >= 0")
+    cores = raw.get("cores", [])
+    if any(not isinstance(c, int) or isinstance(c, bool) or c < 0 for c in cores) or len(
+        set(cores)
+    ) != len(cores):
+        raise UserError(f"{where}.cores: expected distinct core numbers >= 0, got {cores!r}")
     capability = raw.get("min_compute_capability")
     if capability is not None:
         try:
@@ -318,6 +327,7 @@ def _parse_cell(
         commands=commands,
         profile=raw.get("profile"),
         gpus=gpus,
+        cores=tuple(sorted(cores)),
         min_compute_capability=capability,
         tp=tp,
         settings=dict(raw.get("settings", {})),

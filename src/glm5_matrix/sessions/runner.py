@@ -212,8 +212,9 @@ def take_lease(
     environ: dict[str, str],
     out: Path,
 ) -> leases.Lease:
-    """The cell's GPUs. A lease that does not come within the bound skips the cell (with what
-    held the GPUs), like missing hardware, and is an error under GLM5_MATRIX_STRICT."""
+    """The cell's GPUs and the CPU cores its engines are bound to. A lease that does not come
+    within the bound skips the cell (with what held them), like missing hardware, and is an
+    error under GLM5_MATRIX_STRICT."""
     try:
         return leases.lease_cell(variant, found, environ, say=session.warn)
     except leases.LeaseTimeout as exc:
@@ -266,7 +267,7 @@ def _run_leased(
     if kernels is not None:
         session.log(f"kernel cache: {kernels.describe()} (guard {'on' if guarded else 'off'})")
 
-    if lease.gpus:
+    if lease.gpus or lease.cores:
         write_json_atomic(out / leases.RECORD_FILE, lease.record())
     ctx = cell_context.for_variant(
         variant,

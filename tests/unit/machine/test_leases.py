@@ -309,7 +309,7 @@ CELL_SCRIPT = textwrap.dedent(
     start = time.time()
     (out / f"{name}.started").write_text("")
     if os.environ.get("LEASE_TEST_RENDEZVOUS"):  # both must run at once, or this one fails
-        other = "gpu-b" if name == "gpu-a" else "gpu-a"
+        other = name[:-1] + ("b" if name.endswith("a") else "a")  # gpu-a <-> gpu-b
         deadline = time.time() + float(os.environ["LEASE_TEST_RENDEZVOUS"])
         while not (out / f"{other}.started").exists():
             if time.time() > deadline:
@@ -325,9 +325,9 @@ CELL_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.fixture
-def gpu_checkout(tmp_path):
-    """A copy of the checkout whose matrix holds two 1-GPU cells that run a script, not a suite."""
+def checkout(tmp_path: Path, cells: dict[str, str]) -> Path:
+    """A copy of the checkout whose matrix holds the given cells (name: their own fields), each
+    running a script, not a suite."""
     root = tmp_path / "checkout"
     root.mkdir()
     for name in ("noxfile.py", "envs", "constraints", "profiles", "src"):
@@ -335,21 +335,27 @@ def gpu_checkout(tmp_path):
         (shutil.copytree if source.is_dir() else shutil.copy)(source, root / name)
     script = tmp_path / "cell.py"
     script.write_text(CELL_SCRIPT)
-    cells = "".join(
+    matrix = "".join(
         f"""
 [cells.{name}]
-description = "a GPU cell of the lease test"
+description = "a cell of the lease test"
 suite = "lint"
 env = "harness"
-gpus = 1
-min_compute_capability = "9.0"
+{fields}
 commands = [[{json.dumps(sys.executable)}, {json.dumps(str(script))}, "{name}"]]
 """
-        for name in ("gpu-a", "gpu-b")
+        for name, fields in cells.items()
     )
-    (root / "matrix.toml").write_text(cells)
+    (root / "matrix.toml").write_text(matrix)
     (tmp_path / "out").mkdir()
     return root
+
+
+@pytest.fixture
+def gpu_checkout(tmp_path):
+    """Two 1-GPU cells."""
+    gpu = 'gpus = 1\nmin_compute_capability = "9.0"'
+    return checkout(tmp_path, {"gpu-a": gpu, "gpu-b": gpu})
 
 
 def nox(root: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -444,3 +450,80 @@ def test_a_lease_timeout_skips_or_fails_under_strict(gpu_checkout, strict):
     record = json.loads((gpu_checkout / "results" / "gpu-a" / "lease.json").read_text())
     assert record["timed_out"] is True
     assert not (gpu_checkout.parent / "out" / "gpu-a.started").exists()  # nothing ran
+
+
+# --- CPU cores ---------------------------------------------------------------------------------
+
+
+def test_cores_are_leased_apart_from_gpus(tmp_path):
+    """core<N>.lock, not gpu<N>.lock: a cell bound to core 0 does not wait for GPU 0's holder."""
+    folder = tmp_path / "leases"
+    gpu = take(folder, "gpu-cell", pool=(0,))
+    with (
+        gpu,
+        leases.acquire(
+            "core-cell", 2, (0, 1), lock_dir=folder, timeout_s=0, kind=leases.CORE
+        ) as cores,
+    ):
+        assert cores.cores == (0, 1) and cores.gpus == () and cores.environment() == {}
+        assert cores.describe() == "CPU cores 0,1"
+        with pytest.raises(
+            leases.LeaseTimeout,
+            match=r"no CPU core lease .*waiting for CPU core 1: held by core-cell",
+        ) as waited:
+            leases.acquire("other", 1, (1,), lock_dir=folder, timeout_s=0, kind=leases.CORE)
+        assert waited.value.record["waited_for"][0]["core"] == 1
+    locks = sorted(p.name for p in folder.glob("*.lock") if not p.name.startswith("."))
+    assert locks == ["core0.lock", "core1.lock", "gpu0.lock"]
+
+
+def test_lease_cell_takes_the_cores_a_cell_binds(matrix, tmp_path):
+    environ = {
+        "GLM5_MATRIX_GPUS": "",
+        "GLM5_MATRIX_LEASE_DIR": str(tmp_path / "leases"),
+        "GLM5_MATRIX_LEASE_TIMEOUT": "0",
+    }
+    found = hardware.detect(environ)
+    with leases.lease_cell(matrix.variant("pd-nixl-cpu-tp2-tp1"), found, environ) as lease:
+        assert lease.cores == (0, 1) and lease.gpus == ()
+        assert lease.record()["cores"] == [0, 1]
+        with pytest.raises(leases.LeaseTimeout, match=r"held by pd-nixl-cpu-tp2-tp1 pid \d+"):
+            leases.lease_cell(matrix.variant("pd-nixl-cpu-tp1-tp2"), found, environ)
+        # A cell that binds no core runs beside it.
+        assert leases.lease_cell(matrix.variant("e2e-cpu"), found, environ).cores == ()
+    with leases.lease_cell(matrix.variant("pd-nixl-cpu-tp1-tp2"), found, environ) as lease:
+        assert lease.cores == (0, 1)
+
+
+@pytest.fixture
+def core_checkout(tmp_path, request):
+    """Two CPU cells bound to the cores given (the parameter: each cell's `cores`)."""
+    a, b = request.param
+    return checkout(tmp_path, {"core-a": f"cores = {a}", "core-b": f"cores = {b}"})
+
+
+@nox_installed
+@pytest.mark.parametrize("core_checkout", [([0, 1], [1])], indirect=True)
+def test_nox_parallel_cells_binding_one_core_run_in_turn(core_checkout):
+    """What pd-nixl-cpu-tp1-tp2 and -tp2-tp1 (both bound to cores 0 and 1) do under nox -t cpu
+    -j 2: one waits for the other."""
+    result = nox(core_checkout, "-s", "core-a", "core-b", "-j", "2")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    a, b = ran(core_checkout, "core-a"), ran(core_checkout, "core-b")
+    assert not overlap(a, b)
+    first, second = ("core-a", "core-b") if a["start"] < b["start"] else ("core-b", "core-a")
+    assert f"held by {first} pid " in output
+    record = json.loads((core_checkout / "results" / second / "lease.json").read_text())
+    assert record["cores"] == ([0, 1] if second == "core-a" else [1])
+    assert record["gpus"] == [] and record["waited_for"][0]["cell"] == first
+
+
+@nox_installed
+@pytest.mark.parametrize("core_checkout", [([0], [1])], indirect=True)
+def test_nox_parallel_cells_on_other_cores_run_side_by_side(core_checkout):
+    """The control: bound to other cores, the two meet (each waits for the other to start)."""
+    result = nox(core_checkout, "-s", "core-a", "core-b", "-j", "2", LEASE_TEST_RENDEZVOUS="120")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "waiting for" not in output

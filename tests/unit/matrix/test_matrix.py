@@ -229,3 +229,63 @@ def test_guard_sets_expand_in_order_without_repeats(tmp_path):
     assert matrix.cell("x").timeout_minutes == 60  # the default
     assert matrix.variant("x(p)").guards == ("vllm/x/", "vllm/y.py", "vllm/z.py", "vllm/own.py")
     assert matrix.variant("x(q)").guards[-1] == "vllm/q.py"
+
+
+BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def _bound_cores(binding: str) -> set[int]:
+    """The cores a VLLM_CPU_OMP_THREADS_BIND value names: ranks split by "|", each a list of
+    cores and ranges ("0|1", "0-1", "0,2|1,3")."""
+    cores: set[int] = set()
+    for part in binding.replace("|", ",").split(","):
+        first, _, last = part.strip().partition("-")
+        cores.update(range(int(first), int(last or first) + 1))
+    return cores
+
+
+def _bindings(matrix, name: str) -> set[int]:
+    """Every core the cell's engines are bound to: its environment, its settings'
+    `*_environment` tables, its profile's [pd] ones, and those of the cells it runs."""
+    from glm5_matrix.matrix.profiles import load_profile
+
+    cell = matrix.cell(name)
+    tables = [cell.environment]
+    tables += [v for k, v in cell.settings.items() if k.endswith("_environment")]
+    if cell.profile and cell.suite == "pd":
+        pd = load_profile(cell.profile).section("pd")
+        tables += [v for k, v in pd.items() if k.endswith("environment")]
+    cores = {core for table in tables if BIND in table for core in _bound_cores(table[BIND])}
+    for other in cell.runs:
+        cores |= _bindings(matrix, other)
+    return cores
+
+
+def test_a_cells_cores_are_the_cores_its_engines_are_bound_to(matrix):
+    """matrix.toml's `cores` (what a cell leases, so that two cells bound to one core take
+    turns under -j) against the bindings the cell's engines get: none left out, none extra."""
+    bound = {cell.name: _bindings(matrix, cell.name) for cell in matrix.cells}
+    assert {name: sorted(c) for name, c in bound.items() if c} == {
+        cell.name: list(cell.cores) for cell in matrix.cells if cell.cores
+    }
+    assert bound["pd-nixl-cpu-tp2-tp1"] == bound["pd-nixl-cpu-tp1-tp2"] == {0, 1}
+    assert _bound_cores("0-1|2,3") == {0, 1, 2, 3}
+
+
+def test_cores_must_be_distinct_numbers(tmp_path: Path):
+    for bad in ("[0, 0]", "[-1]", '["0"]'):
+        path = tmp_path / "matrix.toml"
+        path.write_text(
+            textwrap.dedent(
+                f"""
+                [cells.a]
+                description = "a"
+                suite = "lint"
+                env = "harness"
+                cores = {bad}
+                commands = [["true"]]
+                """
+            )
+        )
+        with pytest.raises(UserError, match=r"cells\.a\.cores: expected distinct core numbers"):
+            load_matrix(path)
