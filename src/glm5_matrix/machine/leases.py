@@ -119,7 +119,7 @@ class Lease:
     pool: tuple[int, ...] = ()
     cores: tuple[int, ...] = ()  # CPU cores its engines are bound to, held like GPUs
     waited_seconds: float = 0.0
-    waited_for: list[dict[str, Any]] = field(default_factory=list)  # holders seen, per GPU
+    waited_for: list[dict[str, Any]] = field(default_factory=list)  # holders seen, per device
     lock_dir: str | None = None
     _fds: list[int] = field(default_factory=list, repr=False)
 
