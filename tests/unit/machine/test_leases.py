@@ -60,12 +60,17 @@ def test_a_cell_without_gpus_gets_an_empty_lease(matrix, tmp_path):
     assert not (tmp_path / "leases").exists()
 
 
-def test_lease_cell_reads_pool_folder_and_bound_from_the_environment(matrix, tmp_path):
-    environ = {
-        "GLM5_MATRIX_GPUS": "9.0,9.0",
+def lease_environ(tmp_path: Path, gpus: str) -> dict[str, str]:
+    """GPUs given, a lease folder of the test's own, and no wait."""
+    return {
+        "GLM5_MATRIX_GPUS": gpus,
         "GLM5_MATRIX_LEASE_DIR": str(tmp_path / "leases"),
         "GLM5_MATRIX_LEASE_TIMEOUT": "0",
     }
+
+
+def test_lease_cell_reads_pool_folder_and_bound_from_the_environment(matrix, tmp_path):
+    environ = lease_environ(tmp_path, "9.0,9.0")
     found = hardware.detect(environ)
     with leases.lease_cell(matrix.variant("pd-nixl"), found, environ) as lease:
         assert lease.gpus == (0, 1)
@@ -478,11 +483,7 @@ def test_cores_are_leased_apart_from_gpus(tmp_path):
 
 
 def test_lease_cell_takes_the_cores_a_cell_binds(matrix, tmp_path):
-    environ = {
-        "GLM5_MATRIX_GPUS": "",
-        "GLM5_MATRIX_LEASE_DIR": str(tmp_path / "leases"),
-        "GLM5_MATRIX_LEASE_TIMEOUT": "0",
-    }
+    environ = lease_environ(tmp_path, "")
     found = hardware.detect(environ)
     with leases.lease_cell(matrix.variant("pd-nixl-cpu-tp2-tp1"), found, environ) as lease:
         assert lease.cores == (0, 1) and lease.gpus == ()
