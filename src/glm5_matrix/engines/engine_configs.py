@@ -174,19 +174,29 @@ def pd_table(profile: Profile) -> dict[str, Any]:
 PD_ROLES = ("prefill", "decode", "other")
 
 
-def _check_role(cell: CellContext, role: str) -> None:
+def _settings_of(role: str, cell: CellContext | None = None) -> tuple[str, ...]:
+    """Whose settings a PD server in `role` takes, the first that has one winning: its own,
+    and for the other prefiller P's after them."""
     if role not in PD_ROLES:
-        raise UserError(f"cell {cell.id}: PD role {role!r} is not one of {list(PD_ROLES)}")
+        where = f"cell {cell.id}: " if cell is not None else ""
+        raise UserError(f"{where}PD role {role!r} is not one of {list(PD_ROLES)}")
+    return (role, "prefill") if role == "other" else (role,)
+
+
+def _role_setting(cell: CellContext, role: str, name: str) -> Any:
+    """The `{role}_{name}` setting of the first of _settings_of(role) that has one, else None."""
+    return next(
+        (v for r in _settings_of(role, cell) if (v := cell.setting(f"{r}_{name}")) is not None),
+        None,
+    )
 
 
 def pd_role_tp(cell: CellContext, role: str) -> int:
     """The tensor-parallel size of a PD server in `role`: the cell's `prefill_tp` / `decode_tp`
     / `other_tp` setting (P and D at other TP sizes, issue 36), else P's for the other
     prefiller, else the cell's tp."""
-    _check_role(cell, role)
-    if role == "other" and cell.setting("other_tp") is None:
-        return pd_role_tp(cell, "prefill")
-    return int(cell.setting(f"{role}_tp", cell.tp or 1))
+    tp = _role_setting(cell, role, "tp")
+    return int(tp if tp is not None else cell.tp or 1)
 
 
 def pd_role_engine_args(cell: CellContext, role: str) -> dict[str, Any]:
@@ -194,10 +204,8 @@ def pd_role_engine_args(cell: CellContext, role: str) -> dict[str, Any]:
     gives P and D their own, and the cell's `block_size` (one block for both sides: vLLM's NIXL
     handshake needs the local block to be a multiple of the remote one, and the hybrid
     aligner's automatic block depends on TP)."""
-    _check_role(cell, role)
     args: dict[str, Any] = {}
-    own = [role] + (["prefill"] if role == "other" else [])
-    if any(cell.setting(f"{r}_tp") is not None for r in own):
+    if _role_setting(cell, role, "tp") is not None:
         args["tensor_parallel_size"] = pd_role_tp(cell, role)
     if cell.setting("block_size") is not None:
         args["block_size"] = int(cell.setting("block_size"))
@@ -259,10 +267,8 @@ def pd_role_environment(
     profile's [pd] tables, then the cell's `{role}_environment` setting (a D at TP2 binds one
     core per rank); the other prefiller takes P's first, then its own."""
     pd = pd_table(profile)
-    # The other prefiller: P's tables, then its own.
-    roles = ["prefill", "other"] if role == "other" else [role]
     table = dict(pd.get("environment", {}))
-    for r in roles:
+    for r in reversed(_settings_of(role, cell)):  # P's tables first, then the other's own
         table.update(pd.get(f"{r}_environment", {}))
         table.update(cell.setting(f"{r}_environment", {}) if cell is not None else {})
     return {str(k): str(v) for k, v in table.items()}
