@@ -169,13 +169,13 @@ class Lease:
         """This lease and `other` (the same cell's cores after its GPUs) as one."""
         joined = Lease(
             self.cell,
-            self.gpus,
-            self.pool,
-            self.cores or other.cores,
-            self.waited_seconds + other.waited_seconds,
-            [*self.waited_for, *other.waited_for],
-            self.lock_dir or other.lock_dir,
-            [*self._fds, *other._fds],
+            gpus=self.gpus,
+            pool=self.pool,
+            cores=self.cores or other.cores,
+            waited_seconds=self.waited_seconds + other.waited_seconds,
+            waited_for=[*self.waited_for, *other.waited_for],
+            lock_dir=self.lock_dir or other.lock_dir,
+            _fds=[*self._fds, *other._fds],
         )
         self._fds, other._fds = [], []
         return joined
@@ -372,9 +372,9 @@ def _acquire(
         time.sleep(max(0.0, min(poll_s, timeout_s - waited)))
     return Lease(
         cell,
-        tuple(chosen) if kind is GPU else (),
-        devices if kind is GPU else (),
-        tuple(chosen) if kind is CORE else (),
+        gpus=tuple(chosen) if kind is GPU else (),
+        pool=devices if kind is GPU else (),
+        cores=tuple(chosen) if kind is CORE else (),
         waited_seconds=time.monotonic() - started if seen else 0.0,
         waited_for=list(seen.values()),
         lock_dir=str(lock_dir),

@@ -262,9 +262,8 @@ def _parse_cell(
     if gpus < 0:
         raise UserError(f"{where}.gpus: must be >= 0")
     cores = raw.get("cores", [])
-    if any(not isinstance(c, int) or isinstance(c, bool) or c < 0 for c in cores) or len(
-        set(cores)
-    ) != len(cores):
+    numbers = [c for c in cores if type(c) is int and c >= 0]  # bool is an int subclass
+    if len(set(numbers)) != len(cores):
         raise UserError(f"{where}.cores: expected distinct core numbers >= 0, got {cores!r}")
     capability = raw.get("min_compute_capability")
     if capability is not None:

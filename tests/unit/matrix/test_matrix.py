@@ -152,6 +152,10 @@ tests = ["tests/suites/test_e2e.py"]
             r"cells\.x\.guard_sets: no \[guard_sets\] 'nope'",
         ),
         (lambda s: s + "axis_guards.a = ['vllm/a.py']\n", r"axis_guards\.a: not an axis value"),
+        (lambda s: s + "cores = [0, 0]\n", r"cells\.x\.cores: expected distinct core numbers"),
+        (lambda s: s + "cores = [-1]\n", r"cells\.x\.cores: expected distinct core numbers"),
+        (lambda s: s + "cores = ['0']\n", r"cells\.x\.cores: expected distinct core numbers"),
+        (lambda s: s + "cores = 1\n", r"cells\.x\.cores: expected list"),
     ],
 )
 def test_malformed_matrix_names_file_and_field(tmp_path, edit, message):
@@ -245,16 +249,23 @@ def _bound_cores(binding: str) -> set[int]:
 
 
 def _bindings(matrix, name: str) -> set[int]:
-    """Every core the cell's engines are bound to: its environment, its settings'
-    `*_environment` tables, its profile's [pd] ones, and those of the cells it runs."""
+    """Every core the cell's engines are bound to: its environment, for a pd cell each server's
+    environment as the suite builds it (engine_configs.pd_role_environment: the profile's [pd]
+    tables and the cell's `*_environment` settings), and those of the cells it runs."""
+    from glm5_matrix.engines import engine_configs
+    from glm5_matrix.matrix.context import Weights, for_variant
     from glm5_matrix.matrix.profiles import load_profile
 
     cell = matrix.cell(name)
     tables = [cell.environment]
-    tables += [v for k, v in cell.settings.items() if k.endswith("_environment")]
-    if cell.profile and cell.suite == "pd":
-        pd = load_profile(cell.profile).section("pd")
-        tables += [v for k, v in pd.items() if k.endswith("environment")]
+    if cell.suite == "pd" and cell.profile:
+        variant = next(v for v in matrix.variants if v.cell.name == name)
+        context = for_variant(variant, weights=Weights(kind="random"))
+        profile = load_profile(cell.profile)
+        tables += [
+            engine_configs.pd_role_environment(profile, role, context)
+            for role in engine_configs.PD_ROLES
+        ]
     cores = {core for table in tables if BIND in table for core in _bound_cores(table[BIND])}
     for other in cell.runs:
         cores |= _bindings(matrix, other)
@@ -270,22 +281,3 @@ def test_a_cells_cores_are_the_cores_its_engines_are_bound_to(matrix):
     }
     assert bound["pd-nixl-cpu-tp2-tp1"] == bound["pd-nixl-cpu-tp1-tp2"] == {0, 1}
     assert _bound_cores("0-1|2,3") == {0, 1, 2, 3}
-
-
-def test_cores_must_be_distinct_numbers(tmp_path: Path):
-    for bad in ("[0, 0]", "[-1]", '["0"]'):
-        path = tmp_path / "matrix.toml"
-        path.write_text(
-            textwrap.dedent(
-                f"""
-                [cells.a]
-                description = "a"
-                suite = "lint"
-                env = "harness"
-                cores = {bad}
-                commands = [["true"]]
-                """
-            )
-        )
-        with pytest.raises(UserError, match=r"cells\.a\.cores: expected distinct core numbers"):
-            load_matrix(path)
