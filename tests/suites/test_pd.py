@@ -713,6 +713,18 @@ def test_prefiller_with_other_weights_is_refused(record: Record, profile: Profil
     )
     steps = compare.check_exact(record.first.decode, again.decode, ("first", "after the refusal"))
     print(f"first P->D vs P->D after the refusal: {steps} steps bitwise equal")
+    # How many of D's reads so far reached P after P's KV lease (30 s, renewed by D's heartbeats)
+    # had expired and P had released the blocks: vLLM only logs those on P ("Potentially invalid
+    # KV blocks ... retrieved by a decode worker") and D answers 200 with what it read. The copy
+    # checks pass on such a read while nothing reused the blocks, as nothing does here. Recorded,
+    # not judged: on vLLM's CPU build with P at TP2 on a 2-core box D's reads came after P's
+    # lease in every run (README, "CPU tensor parallelism"). P counts them when it steps: one
+    # request of its own (no KV handed over) makes it take in any still waiting.
+    disagg.complete(record.prefill_server.url, SERVED_MODEL, record.prompt[:16], 1, timeout=timeout)
+    late = disagg.metric_sum(
+        disagg.fetch_metrics(record.prefill_server.url), disagg.NIXL_NOTIFS_AFTER_EXPIRY
+    )
+    record_figure("pd.reads_after_lease_expiry", late, unit="notifications")
 
 
 # --- A partial prefix hit on D (#35) ---------------------------------------------------------

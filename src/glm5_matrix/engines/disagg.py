@@ -28,6 +28,8 @@ from typing import Any
 # vllm/distributed/kv_transfer/kv_connector/v1/nixl/stats.py and vllm/v1/metrics/loggers.py.
 NIXL_BYTES = "vllm:nixl_bytes_transferred"
 NIXL_FAILED_TRANSFERS = "vllm:nixl_num_failed_transfers_total"
+# On P: read notifications for a request whose KV lease had expired (P had released its blocks).
+NIXL_NOTIFS_AFTER_EXPIRY = "vllm:nixl_num_notifications_after_expiry_total"
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 EXTERNAL_QUERIES = "vllm:external_prefix_cache_queries_total"
 LOCAL_HITS = "vllm:prefix_cache_hits_total"
