@@ -82,7 +82,8 @@ def target_only(cell: CellContext, profile: Profile, prompt: list[int]) -> Targe
     """The target alone, reference_repeats times, and the control; its engine is stopped before the drafted one
     starts."""
     max_tokens = int(profile.section("prompts")["max_tokens"])
-    tolerances = dflash_table(profile)["tolerances"]
+    dflash_table(profile)  # the [dflash] table, or one line saying the profile has none
+    tolerances = profile.tolerances("dflash")
     with Engine(engine_spec(cell, profile)) as engine:
         output, comparison = judging.reference_repeated(
             engine, prompt, max_tokens, "dflash", tolerances, "target-only"

@@ -75,7 +75,7 @@ def _pages(
 
 
 def test_offload_round_trip(engine: Engine, profile: Profile, plan: LayoutPlan) -> None:
-    prompts, tolerances = profile.section("prompts"), profile.section("tolerances")
+    prompts, tolerances = profile.section("prompts"), profile.tolerances()
     layout = engine.kv_layout()
     # Both connectors offload exactly vLLM's prefix-cacheable groups (KVCacheConfig.
     # prefix_cacheable_group_ids); the kpool tail ring must not be one of them.
@@ -121,7 +121,7 @@ def test_offload_round_trip(engine: Engine, profile: Profile, plan: LayoutPlan) 
     cold_tables = [history[-1] for history in engine.recorded_block_tables(clear=True).values()]
     repeats = [
         engine.generate_scored(prompt, max_tokens, TOP_LOGPROBS)
-        for _ in range(int(tolerances["reference_repeats"]))
+        for _ in range(tolerances.reference_repeats)
     ]
     assert all(r.cached_tokens for r in repeats), "the GPU repeats reused nothing"
     # The GPU pages of the cached blocks (the last cold run's, which the CPU store copied):
@@ -184,7 +184,7 @@ def test_offload_round_trip(engine: Engine, profile: Profile, plan: LayoutPlan) 
     cold_floor.agrees(cold, warm, ("cold", "warm from CPU"))
     # What a restore of wrong or stale bytes amounts to: the prompt whose restored block holds
     # other tokens. The comparison must reject it with at least min_power.
-    changed = round(float(tolerances["control_changed_blocks"]) * block)
+    changed = round(tolerances.needed("control_changed_blocks") * block)
     stale_prompt = with_other_tokens(
         prompt, block - changed, block, engine.vocab_size(), int(prompts["seed"]) + 1
     )

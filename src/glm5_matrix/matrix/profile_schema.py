@@ -107,13 +107,14 @@ SCHEMA: dict[str, Any] = {
     },
 }
 
+# The tables read into glm5_matrix.matrix.tolerances.Tolerances when a profile is loaded.
+TOLERANCE_TABLES = ("tolerances", "pd.tolerances", "dflash.tolerances")
+
 # Tables every profile has (the suites' common ground), and keys a present table must hold.
 REQUIRED_TABLES = ("engine", "expect", "prompts", "tolerances", "weights")
 REQUIRED_KEYS: dict[str, tuple[str, ...]] = {
     "prompts": ("long_blocks", "checkpoint_blocks", "max_tokens", "seed"),
-    "tolerances": TOLERANCES_REQUIRED,
-    "pd.tolerances": TOLERANCES_REQUIRED,
-    "dflash.tolerances": TOLERANCES_REQUIRED,
+    **{table: TOLERANCES_REQUIRED for table in TOLERANCE_TABLES},
 }
 
 _TYPES: dict[str, tuple[type, ...]] = {

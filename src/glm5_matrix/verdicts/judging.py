@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from glm5_matrix.matrix.tolerances import Tolerances
 from glm5_matrix.results.recorder import record_figure, record_outputs
 from glm5_matrix.verdicts import compare
 from glm5_matrix.verdicts.compare import (
@@ -31,9 +32,6 @@ from glm5_matrix.verdicts.compare import (
 
 # Candidates per step kept for the rule (each side's token must be among the other's).
 TOP_LOGPROBS = 5
-# The fewest reference runs a profile may ask for: three give three pairs, the least from which
-# a spread (largest less smallest pairwise difference) can be read.
-MIN_REFERENCE_REPEATS = 3
 
 
 class NoPower(AssertionError):
@@ -251,26 +249,21 @@ def _check_decisive(name: str, output: Scored, what: str, step: float, minimum: 
     record_figure(f"{name}.exact_ties", decisive.ties, unit="steps")
 
 
-def repeated(name: str, runs: list[Any], names_prefix: str, tolerances: dict) -> Comparison:
+def repeated(name: str, runs: list[Any], names_prefix: str, tolerances: Tolerances) -> Comparison:
     """The reference done N = len(runs) >= 2 times: every pair compared (compare.noise_spread),
-    the distribution recorded, and the tolerance taken from it. `tolerances` is a profile table
-    with min_distinct_tokens (the first run must vary that much), min_median_margin_steps (its
-    greedy choices must win by that median margin) and min_power (what every control of the
-    comparison must reach). Runs are named "PREFIX #1" .. "PREFIX #N" in messages."""
-    for key in ("min_distinct_tokens", "min_median_margin_steps", "min_power"):
-        if key not in tolerances:
-            raise KeyError(f"{name}: the profile's tolerances lack {key!r}")
-    min_power = float(tolerances["min_power"])
-    if not min_power > 1.0:
-        raise ValueError(f"{name}: min_power {min_power} must be > 1")
+    the distribution recorded, and the tolerance taken from it. `tolerances` (the profile's,
+    ranges checked when it was loaded) gives min_distinct_tokens (the first run must vary that
+    much), min_median_margin_steps (its greedy choices must win by that median margin) and
+    min_power (what every control of the comparison must reach). Runs are named "PREFIX #1" ..
+    "PREFIX #N" in messages."""
     names = [f"{names_prefix} #{i + 1}" for i in range(len(runs))]
     record_outputs(f"{name}.{_slug(names_prefix)}", runs)
-    compare.assert_varies(runs[0].token_ids, int(tolerances["min_distinct_tokens"]), names[0])
+    compare.assert_varies(runs[0].token_ids, tolerances.min_distinct_tokens, names[0])
     floor = compare.noise_spread(runs, names)
     _record_floor(name, floor)
-    minimum = float(tolerances["min_median_margin_steps"])
+    minimum = float(tolerances.min_median_margin_steps)
     _check_decisive(name, runs[0], names[0], floor.step, minimum)
-    return Comparison(name, floor, min_power)
+    return Comparison(name, floor, float(tolerances.min_power))
 
 
 def _slug(text: str) -> str:
@@ -281,21 +274,16 @@ def reference_runs(
     engine: Any,
     prompt: list[int],
     max_tokens: int,
-    tolerances: dict[str, Any],
+    tolerances: Tolerances,
     names_prefix: str = "cold",
     reset: Callable[[], object] | None = None,
 ) -> list[Scored]:
     """`prompt` on a running glm5_matrix.engines.client.Engine from an empty prefix cache (emptied
     by `reset`, default the engine's reset_prefix_cache), done the profile's reference_repeats
-    times; every run must be cold."""
-    repeats = int(tolerances["reference_repeats"])
-    if repeats < MIN_REFERENCE_REPEATS:
-        raise ValueError(
-            f"reference_repeats = {repeats}; at least {MIN_REFERENCE_REPEATS} runs are needed "
-            "for a spread of the noise"
-        )
+    times (at least three: Tolerances refuses fewer when the profile is loaded); every run must
+    be cold."""
     runs: list[Scored] = []
-    for i in range(repeats):
+    for i in range(tolerances.reference_repeats):
         if reset is None:
             assert engine.reset_prefix_cache(), "reset_prefix_cache() refused"
         else:
@@ -313,7 +301,7 @@ def reference_repeated(
     prompt: list[int],
     max_tokens: int,
     name: str,
-    tolerances: dict[str, Any],
+    tolerances: Tolerances,
     names_prefix: str = "cold",
     reset: Callable[[], object] | None = None,
 ) -> tuple[Scored, Comparison]:
@@ -336,7 +324,7 @@ def first_step(output: Scored) -> GreedyOutput:
 
 
 def prefill_step(
-    name: str, runs: list[Any], names_prefix: str, tolerances: dict[str, Any], step: float
+    name: str, runs: list[Any], names_prefix: str, tolerances: Tolerances, step: float
 ) -> Comparison:
     """The reference runs (repeated() has judged them whole) compared at their first step
     alone, the prefill's own output: the noise of that step as a distribution over every pair,
@@ -349,7 +337,7 @@ def prefill_step(
         compare.noise_spread([first_step(r) for r in runs], names), step=step
     )
     _record_floor(name, floor)
-    return Comparison(name, floor, float(tolerances["min_power"]))
+    return Comparison(name, floor, float(tolerances.min_power))
 
 
 def runner_up_control(
