@@ -51,8 +51,9 @@ supervision.guard_nox_process(sys.argv)
 
 try:
     MATRIX: Matrix = runner.load()
-except UserError as exc:  # a malformed matrix or env file: one line, non-zero exit
-    sys.exit(f"glm5-matrix: error: {exc}")
+    hardware.check_override(os.environ)
+except UserError as exc:  # a malformed matrix, env file or variable: a line each, non-zero exit
+    sys.exit("\n".join(f"glm5-matrix: error: {line}" for line in str(exc).splitlines()))
 
 
 def _register(cell: Cell) -> None:

@@ -13,6 +13,7 @@ from scaffold import SRC
 # Bottom to top. A room may import its own modules and the rooms before it, never one after.
 ROOMS = (
     "errors",
+    "contracts",  # the one reader of the TOML data files' contracts (it reads through errors)
     "files",
     "cache",
     "matrix",

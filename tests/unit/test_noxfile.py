@@ -135,7 +135,20 @@ def test_malformed_matrix_is_one_line(tmp_path):
     (tmp_path / "matrix.toml").write_text(text)
     result = nox("-l", root=tmp_path, GLM5_MATRIX_ROOT=str(tmp_path))
     assert result.returncode != 0
-    assert "matrix.toml: cells.e2e-tp2.gpus: expected int" in result.stderr
+    assert (
+        "glm5-matrix: error: "
+        f"{tmp_path / 'matrix.toml'}: cells.e2e-tp2.gpus: must be an integer, not a string ('two')"
+    ) in result.stderr.splitlines()
+
+
+def test_a_malformed_gpus_variable_is_one_line_before_any_session():
+    """GLM5_MATRIX_GPUS=abc was a traceback out of the plan session (issue 49)."""
+    result = nox(GLM5_MATRIX_GPUS="abc")
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines() == [
+        "glm5-matrix: error: GLM5_MATRIX_GPUS='abc': 'abc' is not a compute capability like 9.0"
+    ]
+    assert "Traceback" not in result.stdout + result.stderr
 
 
 def test_unreachable_torch_index_is_one_line_before_building(tmp_path):

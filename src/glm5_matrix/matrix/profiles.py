@@ -22,8 +22,8 @@ from glm5_matrix.matrix.profile_schema import TOLERANCE_TABLES, check_profile
 from glm5_matrix.matrix.tolerances import Tolerances
 
 
-def profiles_dir() -> Path:
-    return repo_root() / "profiles"
+def profiles_dir(root: Path | None = None) -> Path:
+    return (root or repo_root()) / "profiles"
 
 
 @dataclass(frozen=True)
@@ -65,8 +65,9 @@ class Profile:
         return value
 
 
-def profile_names() -> list[str]:
-    return sorted(p.parent.name for p in profiles_dir().glob("*/profile.toml"))
+def profile_names(root: Path | None = None) -> list[str]:
+    """The profiles of the checkout at `root` (default: this one)."""
+    return sorted(p.parent.name for p in profiles_dir(root).glob("*/profile.toml"))
 
 
 def _over(base: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
@@ -109,22 +110,16 @@ def load_profile(name: str) -> Profile:
             raise UserError(f"{path}: extends {base!r}, which extends another (one level only)")
         data = _over(base_data, data)
     check_profile(path, data)  # a typo is one line here, before any environment or engine
-    return Profile(
-        name=name, directory=path.parent, data=data, tolerance_tables=_tolerances(path, data)
-    )
+    return Profile(name=name, directory=path.parent, data=data, tolerance_tables=_tolerances(data))
 
 
-def _tolerances(path: Path, data: dict[str, Any]) -> dict[str, Tolerances]:
-    """The profile's tolerance tables (checked for keys and types), each built into Tolerances;
-    a value out of its range is one UserError naming the file and the table."""
+def _tolerances(data: dict[str, Any]) -> dict[str, Tolerances]:
+    """The profile's tolerance tables, checked by check_profile, each built into Tolerances."""
     built: dict[str, Tolerances] = {}
     for table in TOLERANCE_TABLES:
         values: Any = data
         for part in table.split("."):
             values = values.get(part) if isinstance(values, dict) else None
         if isinstance(values, dict):
-            try:
-                built[table] = Tolerances.from_table(table, values)
-            except ValueError as exc:
-                raise UserError(f"{path}: {exc}") from None
+            built[table] = Tolerances.from_table(table, values)  # ranges checked: check_profile
     return built

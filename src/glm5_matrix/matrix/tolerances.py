@@ -9,45 +9,85 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from glm5_matrix import contracts
+from glm5_matrix.contracts import Spec
+
 # The fewest reference runs a profile may ask for: three give three pairs, the least from which
 # a spread (largest less smallest pairwise difference) can be read.
 MIN_REFERENCE_REPEATS = 3
 
+# The table's contract (glm5_matrix.contracts): the profile's reader checks it at load, and a
+# Tolerances built by hand is checked against it too.
+TOLERANCES = contracts.table(
+    {
+        "min_distinct_tokens": Spec(
+            "int",
+            "the first reference run must hold this many distinct tokens (a constant output "
+            "would match anything)",
+            required=True,
+            minimum=2,
+        ),
+        "min_median_margin_steps": Spec(
+            "number",
+            "the reference's greedy choices must win by this median margin (logit steps)",
+            required=True,
+            minimum=0,
+        ),
+        "reference_repeats": Spec(
+            "int",
+            "the reference is done this many times, every pair compared for the noise (three "
+            "pairs are the least a spread is read from)",
+            required=True,
+            minimum=MIN_REFERENCE_REPEATS,
+        ),
+        "min_power": Spec(
+            "number",
+            "every negative control's delta over the tolerance must reach this",
+            required=True,
+            above=1,
+        ),
+        "control_changed_blocks": Spec(
+            "number",
+            "the stale-block controls draw this many blocks of tokens anew before the first "
+            "block boundary",
+            above=0,
+            maximum=1,
+        ),
+        "checkpoint_page_rel": Spec("number", "the checkpoint pages' relative tolerance", above=0),
+    },
+    "what a suite's comparisons are judged by; the noise itself is measured in the same run",
+)
+
 
 @dataclass(frozen=True)
 class Tolerances:
-    """What a comparison of a suite is judged by. The noise itself is measured in the same run
-    (glm5_matrix.verdicts.compare.noise_spread); these say how much of it to measure and what
-    the run and its controls must show beyond it."""
+    """What a comparison of a suite is judged by (TOLERANCES says what each field means). The
+    noise itself is measured in the same run (glm5_matrix.verdicts.compare.noise_spread); these
+    say how much of it to measure and what the run and its controls must show beyond it."""
 
-    # The first reference run must hold at least this many distinct tokens (a constant output
-    # would match anything).
     min_distinct_tokens: int
-    # The reference's greedy choices must win by at least this median margin (logit steps).
     min_median_margin_steps: float
-    # How many times the reference is done: every pair compared for the noise.
     reference_repeats: int
-    # What every negative control's delta must reach, over the tolerance.
     min_power: float
-    # The stale-block controls: this many blocks' worth of tokens before the first block
-    # boundary drawn anew (a fraction of a block, at most one).
     control_changed_blocks: float | None = None
-    # The checkpoint pages' relative tolerance (test_prefill_checkpoint_pages).
     checkpoint_page_rel: float | None = None
     # The profile table they were read from, for messages: "tolerances", "pd.tolerances".
     table: str = "tolerances"
 
     def __post_init__(self) -> None:
-        found = range_problems(self)
+        values = {k: v for k, v in self._values().items() if v is not None}
+        found = contracts.problems(values, TOLERANCES, self.table)
         if found:
-            raise ValueError(f"[{self.table}] " + "; ".join(found))
+            raise ValueError("; ".join(f"{problem.where}: {problem.text}" for problem in found))
+
+    def _values(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "table"}
 
     @classmethod
     def from_table(cls, table: str, values: dict[str, Any]) -> Tolerances:
-        """The tolerances of a profile table already checked for its keys and types
-        (glm5_matrix.matrix.profile_schema); a ValueError names a value out of its range."""
-        known = {f.name for f in fields(cls)} - {"table"}
-        return cls(table=table, **{k: v for k, v in values.items() if k in known})
+        """The tolerances of a profile table (checked against TOLERANCES when the profile was
+        loaded; a ValueError here names what is out of its range)."""
+        return cls(table=table, **values)
 
     def needed(self, key: str) -> float:
         """An optional tolerance a suite reads (control_changed_blocks, checkpoint_page_rel)."""
@@ -55,28 +95,3 @@ class Tolerances:
         if value is None:
             raise KeyError(f"the profile's [{self.table}] lacks {key!r}, which this check reads")
         return float(value)
-
-
-def range_problems(tolerances: Tolerances) -> list[str]:
-    """Each value out of its range, one phrase each."""
-    found = []
-    if not tolerances.min_power > 1:
-        found.append(f"min_power = {tolerances.min_power}: must be > 1")
-    if not tolerances.reference_repeats >= MIN_REFERENCE_REPEATS:
-        found.append(
-            f"reference_repeats = {tolerances.reference_repeats}: must be >= "
-            f"{MIN_REFERENCE_REPEATS} (a spread of the noise needs three pairs)"
-        )
-    if not tolerances.min_distinct_tokens >= 2:
-        found.append(f"min_distinct_tokens = {tolerances.min_distinct_tokens}: must be >= 2")
-    if not tolerances.min_median_margin_steps >= 0:
-        found.append(
-            f"min_median_margin_steps = {tolerances.min_median_margin_steps}: must be >= 0"
-        )
-    changed = tolerances.control_changed_blocks
-    if changed is not None and not 0 < changed <= 1:
-        found.append(f"control_changed_blocks = {changed}: must be > 0 and <= 1")
-    rel = tolerances.checkpoint_page_rel
-    if rel is not None and not rel > 0:
-        found.append(f"checkpoint_page_rel = {rel}: must be > 0")
-    return found
