@@ -285,7 +285,11 @@ def test_a_profile_typo_is_one_line_before_anything_is_built(tmp_path, cell):
         GLM5_MATRIX_VLLM=str(tmp_path / "vllm-9.9.9.whl"),
     )
     assert result.returncode != 0
-    lines = [line for line in result.stderr.splitlines() if "unknown key 'prompt'" in line]
+    lines = [
+        line
+        for line in result.stderr.splitlines()
+        if "prompt: unknown key; did you mean 'prompts'?" in line
+    ]
     assert len(lines) == 1, result.stderr
     assert str(profile) in lines[0]
     assert "wheel file not found" not in result.stderr

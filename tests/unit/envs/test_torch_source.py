@@ -164,7 +164,7 @@ def test_torch_index_needs_an_exact_torch(tmp_path):
     (tmp_path / "envs").mkdir()
     path = tmp_path / "envs" / "t.toml"
     path.write_text('description = "d"\nrequirements = ["torch>=2"]\n[torch_index]\nurl = "u"\n')
-    with pytest.raises(UserError, match=r"torch_index\.name: expected a non-empty string"):
+    with pytest.raises(UserError, match=r"torch_index\.name: missing \(required\)"):
         environments.load_env(path)
     path.write_text(path.read_text() + 'name = "n"\n')
     with pytest.raises(UserError, match="needs an exact torch requirement"):
