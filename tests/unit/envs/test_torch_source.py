@@ -194,6 +194,26 @@ def test_pip_configuration_is_read_from_pip_itself(tmp_path):
     assert torch_source.pip_sources(torch_source.pip_configuration(hidden_pip())) == []
 
 
+@pytest.mark.skipif(shutil.which("pip") is None, reason="no pip on PATH")
+def test_pip_configuration_falls_back_to_the_pip_on_path(tmp_path, monkeypatch):
+    """nox run by `uvx` runs in a tool environment without pip: the pip on PATH reads the same
+    configuration (before, the cpu environment's torch source was missed and the README's
+    quickstart stopped at 'pip on this machine names no source that holds it')."""
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    monkeypatch.setattr(sys, "executable", str(bare / "bin" / "python"))
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    pip_dir = str(Path(shutil.which("pip") or "").parent)
+    found = torch_source.pip_sources(
+        torch_source.pip_configuration(hidden_pip(PIP_FIND_LINKS=str(wheels), PATH=pip_dir))
+    )
+    assert [(s.url, s.origin) for s in found] == [(str(wheels), "pip config :env:.find-links")]
+    # The control: no pip on PATH either, so nothing names the folder.
+    nothing = hidden_pip(PIP_FIND_LINKS=str(wheels), PATH=str(tmp_path / "empty"))
+    assert torch_source.pip_configuration(nothing) == {}
+
+
 # --- real uv against a local index laid out like PyTorch's -------------------------------------
 
 
