@@ -30,6 +30,7 @@ ROOMS = (
     "sessions",
     "upstream",  # nox -s upstream: the reproductions of vLLM defects (upstream/ at the root)
     "mutants",  # plants regressions in copies of the cells' environments and runs the cells
+    "docs",  # the docs site's tables rendered from the repository's data (mkdocs hook)
     "cli",  # the entry point: it finds its subcommands' modules by name
 )
 

@@ -1,0 +1,112 @@
+"""Tables of the docs site rendered from the repository's data when the site is built, so that
+no page keeps by hand what a data file already says: the cells (matrix.toml) and what the matrix
+catches (mutants/catalogue.toml with the verdicts kept in results-mutants/). Pure readers: they
+write nothing and start nothing."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from glm5_matrix.matrix.matrix import Matrix
+from glm5_matrix.mutants import catalogue, record
+from glm5_matrix.mutants.catalogue import Mutant
+from glm5_matrix.report import mutants as mutant_rows
+from glm5_matrix.sessions import runner
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def cells_table(matrix: Matrix) -> str:
+    """One row per cell: what it needs, its variants, its tags and CI timeout, what it checks."""
+    lines = [
+        "| cell | needs | variants | tags | CI timeout | what it checks |",
+        "|---|---|---|---|---|---|",
+    ]
+    for cell in matrix.cells:
+        if cell.gpus:
+            needs = f"{cell.gpus} GPU{'s' if cell.gpus > 1 else ''}"
+            if cell.min_compute_capability:
+                needs += f", compute capability >= {cell.min_compute_capability}"
+        else:
+            needs = "CPU"
+            if cell.cores:
+                needs += " (cores " + ",".join(map(str, cell.cores)) + ", leased)"
+        variants = ", ".join(f"`{v.id}`" for v in cell.variants) if cell.axis else "-"
+        tags = " ".join(f"`{t}`" for t in sorted({t for v in cell.variants for t in v.tags}))
+        lines.append(
+            f"| `{cell.name}` | {needs} | {variants} | {tags} | {cell.timeout_minutes} min "
+            f"| {_cell(cell.description)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def kept_verdicts(results_dir: Path) -> dict[str, Any]:
+    """The verdicts `nox -s mutants` kept in `results_dir` (results.json), or {} where none are."""
+    try:
+        data = json.loads((results_dir / record.RESULTS_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _verdict(mutant: Mutant, kept: Mapping[str, Any] | None) -> str:
+    if kept is None:
+        return f"no verdict kept here (`nox -s mutants -- --only {mutant.name}`)"
+    text = mutant_rows.verdict_text(kept)
+    if kept.get("no_power"):
+        text += f" (no power: {kept['no_power']})"
+    return text
+
+
+def mutants_table(mutants: list[Mutant], kept: Mapping[str, Any]) -> str:
+    """The catalogue, one row per mutant with its expected catcher and its kept verdict (or
+    none), then the catch rate over the kept verdicts of mutants still in the catalogue."""
+    by_name = {r.get("name"): r for r in kept.get("mutants", []) if isinstance(r, dict)}
+    lines = [
+        "| mutant | cell | area | expected catcher | verdict |",
+        "|---|---|---|---|---|",
+    ]
+    rows = []
+    for m in mutants:
+        row = by_name.get(m.name)
+        if row is not None:
+            rows.append(row)
+        name = f"`{m.name}`" + (" (CI)" if m.ci else "")
+        expect = ", ".join(f"`{t}`" for t in m.expect) or "-"
+        lines.append(
+            f"| {name} | `{m.cell}` | {_cell(m.area)} | {expect} | {_cell(_verdict(m, row))} |"
+        )
+    if not rows:
+        lines += [
+            "",
+            f"{len(mutants)} mutants in the catalogue; no verdict is kept in this checkout "
+            "(`nox -s mutants` keeps them in results-mutants/).",
+        ]
+    else:
+        summary = record.summarize(rows)
+        survivors = summary["survivors"]
+        lines += [
+            "",
+            f"{len(mutants)} mutants in the catalogue, {len(rows)} with a kept verdict; caught "
+            f"of those judged: **{summary['overall']}**"
+            + (f"; survived: {', '.join(f'`{s}`' for s in survivors)}" if survivors else "")
+            + ".",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def render(name: str, root: Path, results_dir: Path) -> str:
+    """The table `name` ("cells" or "mutants") for the checkout at `root`."""
+    matrix = runner.load(root)
+    if name == "cells":
+        return cells_table(matrix)
+    if name == "mutants":
+        cells = {v.id: v.env for v in matrix.variants}
+        mutants = catalogue.load_catalogue(root / catalogue.CATALOGUE_FILE, cells)
+        return mutants_table(mutants, kept_verdicts(results_dir))
+    raise ValueError(f"no generated table {name!r} (cells, mutants)")
