@@ -722,7 +722,7 @@ def test_prefiller_with_other_weights_is_refused(record: Record, profile: Profil
     # KV blocks ... retrieved by a decode worker") and D answers 200 with what it read. The copy
     # checks pass on such a read while nothing reused the blocks, as nothing does here. Recorded,
     # not judged: on vLLM's CPU build on a 2-core box D's reads came after P's lease in every run
-    # with P at TP2 and in some with P at TP1 and D at TP2 (README, "CPU tensor parallelism"), a
+    # with P at TP2 and in some with P at TP1 and D at TP2 (docs/cells.md, "P->D across TP sizes"), a
     # verdict that would come and go from run to run there. P counts them when it steps: one
     # request of its own (no KV handed over) makes it take in any still waiting.
     disagg.complete(record.prefill_server.url, SERVED_MODEL, record.prompt[:16], 1, timeout=timeout)

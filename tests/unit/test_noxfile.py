@@ -261,7 +261,8 @@ def test_noxfile_needs_the_nox_the_readme_installs():
     )
     assert declared, "noxfile.py declares no nox.needs_version"
     readme = (repo_root() / "README.md").read_text()
-    installed = set(re.findall(r'pip install "nox(>=[0-9.]+)"', readme))
+    installed = set(re.findall(r'(?:pip install|uvx .*--from) "nox(>=[0-9.]+)"', readme))
+    assert installed, "the README installs no nox"
     assert installed == {declared.group(1)}, (installed, declared.group(1))
 
 
