@@ -194,17 +194,22 @@ def test_pip_configuration_is_read_from_pip_itself(tmp_path):
     assert torch_source.pip_sources(torch_source.pip_configuration(hidden_pip())) == []
 
 
-@pytest.mark.skipif(shutil.which("pip") is None, reason="no pip on PATH")
+@pytest.mark.skipif(not HAS_PIP, reason="pip is not installed in this interpreter")
 def test_pip_configuration_falls_back_to_the_pip_on_path(tmp_path, monkeypatch):
     """nox run by `uvx` runs in a tool environment without pip: the pip on PATH reads the same
     configuration (before, the cpu environment's torch source was missed and the README's
     quickstart stopped at 'pip on this machine names no source that holds it')."""
     bare = tmp_path / "bare"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    real = sys.executable  # this interpreter's pip, as a `pip` on PATH
     monkeypatch.setattr(sys, "executable", str(bare / "bin" / "python"))
     wheels = tmp_path / "wheels"
     wheels.mkdir()
-    pip_dir = str(Path(shutil.which("pip") or "").parent)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "pip").write_text(f'#!/bin/sh\nexec "{real}" -m pip "$@"\n')
+    (bin_dir / "pip").chmod(0o755)
+    pip_dir = str(bin_dir)
     found = torch_source.pip_sources(
         torch_source.pip_configuration(hidden_pip(PIP_FIND_LINKS=str(wheels), PATH=pip_dir))
     )
