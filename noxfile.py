@@ -11,7 +11,6 @@ environment is built; the runner then builds the cell's own uv venv.
     nox -s e2e-tp1 -- --model /ckpt/GLM-5.3-Flash-4L --vllm 0.33.1 -k layout
     nox -t gpu -j 8              # cells side by side, each on its own leased GPUs
     nox -s report                # the matrix report from results/ (results/report/)
-    nox -s docs                  # the docs site (docs/ -> site/, mkdocs --strict)
     nox -s pipeline -- buildkite # a CI pipeline from the matrix (or -- github)
 
     nox -s warm -- -t gpu        # compile what the GPU cells need into the kernel cache first
@@ -129,8 +128,10 @@ def report(session: nox.Session) -> None:
 
 @nox.session(tags=["meta"])
 def docs(session: nox.Session) -> None:
-    """The docs site from docs/ into site/, built strictly (a broken link or a page missing from
-    the nav fails it); `-- serve` to read it at http://127.0.0.1:8000 while editing."""
+    """The docs site, docs/ built strictly into site/ (-- serve: read it while editing).
+
+    mkdocs --strict: a broken link or anchor, or a page missing from mkdocs.yml's nav, fails it;
+    `-- serve` serves it at http://127.0.0.1:8000."""
     args = session.posargs or ["build", "--strict"]
     tools.run_module(session, "mkdocs", args)
 
