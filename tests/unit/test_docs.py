@@ -1,24 +1,25 @@
 """The docs against the code: docs/configuration.md names every GLM5_* variable the code reads,
-every field the data files' checked contracts accept, every setting a cell may give and every
-tool session; the site's pages are the ones mkdocs.yml's nav lists. Each check is a function
-that returns what is missing, shown to find a planted omission."""
+every setting a cell gives and every tool session, and renders every data file's contract, each
+key of which says what it means; the site's pages are the ones mkdocs.yml's nav lists. Each
+check is a function that returns what is missing, shown to find a planted omission."""
 
 from __future__ import annotations
 
 import ast
 import re
 import tomllib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from glm5_matrix.envs import environments
+from glm5_matrix import contracts
+from glm5_matrix.contracts import Spec
+from glm5_matrix.docs import tables
 from glm5_matrix.files import repo_root
-from glm5_matrix.matrix import known_failures, matrix, profile_schema
-from glm5_matrix.mutants import catalogue
+from glm5_matrix.matrix import matrix
 
 ROOT = repo_root()
 REFERENCE = ROOT / "docs" / "configuration.md"
@@ -80,16 +81,14 @@ def variables_read(root: Path) -> set[str]:
     return found
 
 
-def schema_keys(schema: Mapping[str, Any], where: str = "") -> set[str]:
-    """A profile schema's keys, dotted; a table that takes the [tolerances] keys again
-    (pd.tolerances) is named once, its keys documented under tolerances."""
-    keys: set[str] = set()
-    for key, value in schema.items():
-        name = f"{where}.{key}" if where else key
-        keys.add(name)
-        if isinstance(value, dict) and not (value is profile_schema.TOLERANCES and where):
-            keys |= schema_keys(value, name)
-    return keys
+def undocumented(spec: Spec) -> list[str]:
+    """The contract's keys that say nothing of what they mean (a named entry of a table, `NAME`,
+    is its table's doc)."""
+    return [
+        row.key
+        for row in contracts.reference(spec)
+        if not row.doc.strip() and not row.key.endswith(".NAME")
+    ]
 
 
 def settings_used(root: Path) -> set[str]:
@@ -145,34 +144,29 @@ def test_a_variable_missing_from_the_reference_is_found(tmp_path, reference):
     assert VARIABLE.findall('environ_without("GLM5_MATRIX_")') == []
 
 
-def test_every_matrix_field_is_in_the_reference(reference):
-    top = set(tomllib.loads((ROOT / matrix.MATRIX_FILE).read_text()))
-    fields = top | set(matrix._CELL_FIELDS) | set(matrix._AXIS_FIELDS)
-    assert missing(fields, reference["matrix.toml"]) == []
+@pytest.mark.parametrize("name", sorted(tables.CONTRACTS))
+def test_every_contract_is_rendered_with_a_meaning_for_each_key(name, reference):
+    marker = f"<!-- table: contract-{name} -->"
+    assert sum(marker in text for text in reference.values()) == 1, f"{marker} not on the page"
+    assert undocumented(tables.CONTRACTS[name]) == []
+
+
+def test_a_key_without_a_meaning_is_found():
+    """The control: a key added to a contract with no doc is reported, a named entry is not."""
+    planted = contracts.table(
+        {
+            "said": Spec("int", "what it means"),
+            "unsaid": Spec("int"),
+            "entries": contracts.entries(Spec("str"), "named strings"),
+        }
+    )
+    assert undocumented(planted) == ["unsaid"]
 
 
 def test_every_cell_setting_is_in_the_reference(reference):
     used = settings_used(ROOT)
     assert {"moe_backend", "kv_connector", "prefill_tp"} <= used
     assert missing(used, reference["matrix.toml"]) == []
-
-
-def test_every_profile_field_is_in_the_reference(reference):
-    keys = schema_keys(profile_schema.SCHEMA) | {"extends"}
-    assert "pd.connect_attempts" in keys and "pd.tolerances.min_power" not in keys
-    assert missing(keys, reference["Profiles"]) == []
-
-
-def test_a_profile_field_missing_from_the_reference_is_found(reference):
-    planted = {**profile_schema.SCHEMA, "pd": {**profile_schema.SCHEMA["pd"], "new_key": "int"}}
-    assert missing(schema_keys(planted), reference["Profiles"]) == ["pd.new_key"]
-
-
-def test_every_data_file_field_is_in_the_reference(reference):
-    assert missing(environments._FIELDS, reference["envs/NAME.toml"]) == []
-    mutant_fields = {*catalogue._REQUIRED, *catalogue._OPTIONAL}
-    assert missing(mutant_fields, reference["mutants/catalogue.toml"]) == []
-    assert missing(known_failures._FIELDS, reference["known-failures.toml"]) == []
 
 
 def test_every_tool_session_is_in_the_reference(reference):

@@ -20,7 +20,7 @@ from glm5_matrix.docs import tables  # noqa: E402
 from glm5_matrix.files import repo_root  # noqa: E402
 from glm5_matrix.mutants import run  # noqa: E402
 
-MARKER = re.compile(r"^<!-- table: ([a-z]+) -->$", re.MULTILINE)
+MARKER = re.compile(r"^<!-- table: ([a-z-]+) -->$", re.MULTILINE)
 
 
 def expand(markdown: str) -> str:

@@ -1,7 +1,8 @@
 """Tables of the docs site rendered from the repository's data when the site is built, so that
-no page keeps by hand what a data file already says: the cells (matrix.toml) and what the matrix
-catches (mutants/catalogue.toml with the verdicts kept in results-mutants/). Pure readers: they
-write nothing and start nothing."""
+no page keeps by hand what a data file or a contract already says: the cells (matrix.toml), what
+the matrix catches (mutants/catalogue.toml with the verdicts kept in results-mutants/), and each
+data file's contract (every key with its type, default, range and meaning, from the Spec its
+loader reads it with). Pure readers: they write nothing and start nothing."""
 
 from __future__ import annotations
 
@@ -10,11 +11,27 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from glm5_matrix.matrix.matrix import Matrix
+from glm5_matrix import contracts
+from glm5_matrix.contracts import Spec
+from glm5_matrix.envs.environments import ENV
+from glm5_matrix.matrix.known_failures import REGISTRY
+from glm5_matrix.matrix.matrix import MATRIX, Matrix
+from glm5_matrix.matrix.profile_schema import PROFILE
 from glm5_matrix.mutants import catalogue, record
-from glm5_matrix.mutants.catalogue import Mutant
+from glm5_matrix.mutants.catalogue import CATALOGUE, Mutant
 from glm5_matrix.report import mutants as mutant_rows
 from glm5_matrix.sessions import runner
+from glm5_matrix.upstream.findings import FINDING
+
+# The data files' contracts, by the name a page's marker gives them (`<!-- table: contract-NAME -->`).
+CONTRACTS: dict[str, Spec] = {
+    "matrix": MATRIX,
+    "profile": PROFILE,
+    "env": ENV,
+    "known-failures": REGISTRY,
+    "catalogue": CATALOGUE,
+    "finding": FINDING,
+}
 
 
 def _cell(text: str) -> str:
@@ -101,7 +118,10 @@ def mutants_table(mutants: list[Mutant], kept: Mapping[str, Any]) -> str:
 
 
 def render(name: str, root: Path, results_dir: Path) -> str:
-    """The table `name` ("cells" or "mutants") for the checkout at `root`."""
+    """The table `name` ("cells", "mutants", or "contract-NAME" of CONTRACTS) for the checkout
+    at `root`."""
+    if name.startswith("contract-") and name[len("contract-") :] in CONTRACTS:
+        return contracts.markdown(CONTRACTS[name[len("contract-") :]])
     matrix = runner.load(root)
     if name == "cells":
         return cells_table(matrix)
@@ -109,4 +129,5 @@ def render(name: str, root: Path, results_dir: Path) -> str:
         cells = {v.id: v.env for v in matrix.variants}
         mutants = catalogue.load_catalogue(root / catalogue.CATALOGUE_FILE, cells)
         return mutants_table(mutants, kept_verdicts(results_dir))
-    raise ValueError(f"no generated table {name!r} (cells, mutants)")
+    known = ", ".join(["cells", "mutants", *(f"contract-{c}" for c in CONTRACTS)])
+    raise ValueError(f"no generated table {name!r} ({known})")

@@ -34,13 +34,13 @@ def _count(doc: str, least: int = 1) -> Spec:
 PROFILE = table(
     {
         "description": Spec("str", "what the profile is"),
-        "architecture": Spec("str"),
+        "architecture": Spec("str", "the model family the suites branch on (glm5_next, ...)"),
         "model": table(
             {
                 "name": Spec("str", "the generated model's name"),
-                "architecture": Spec("str"),
-                "model_type": Spec("str"),
-                "dtype": Spec("str"),
+                "architecture": Spec("str", "the generated model's architecture class"),
+                "model_type": Spec("str", "its config's model_type"),
+                "dtype": Spec("str", "its weights' dtype"),
                 "seed": Spec("int", "the generated weights' seed"),
                 "init_gain": _positive("the generated weights' scale"),
                 "embedding_std": _positive("the generated embeddings' standard deviation"),
@@ -50,33 +50,41 @@ PROFILE = table(
         ),
         "layout": table(
             {
-                "group_kinds": Spec("list", items=Spec("str")),
+                "group_kinds": Spec(
+                    "list", "the planner's group kinds (mla, tail, mamba)", items=Spec("str")
+                ),
                 "group_specs": open_table("KV cache spec class per group kind"),
-                "kda_layers": Spec("list", items=Spec("int", minimum=0)),
-                "dsa_layers": Spec("list", items=Spec("int", minimum=0)),
-                "tail_prefix_cacheable": Spec("bool"),
+                "kda_layers": Spec(
+                    "list", "the KDA (Mamba-state) layers", items=Spec("int", minimum=0)
+                ),
+                "dsa_layers": Spec("list", "the DSA/MLA layers", items=Spec("int", minimum=0)),
+                "tail_prefix_cacheable": Spec(
+                    "bool", "whether the kpool tail ring is prefix-cacheable"
+                ),
             },
             "the KV cache layout the layout suite expects",
         ),
         "expect": table(
             {
                 "block_size": open_table("the block size per TP (tp1, tp2, ...)"),
-                "mamba_spec": Spec("str"),
-                "mla_spec": Spec("str"),
-                "tail_spec": Spec("str"),
-                "attention_spec": Spec("str"),
-                "mamba_groups": _count("", 0),
-                "attention_groups": _count("", 0),
-                "mamba_shares_attention_storage": Spec("bool"),
+                "mamba_spec": Spec("str", "vLLM's KV spec class of the Mamba groups"),
+                "mla_spec": Spec("str", "of the MLA group"),
+                "tail_spec": Spec("str", "of the kpool tail ring"),
+                "attention_spec": Spec("str", "of the attention group"),
+                "mamba_groups": _count("the KV cache groups of Mamba state", 0),
+                "attention_groups": _count("the KV cache groups of attention", 0),
+                "mamba_shares_attention_storage": Spec(
+                    "bool", "whether Mamba pages are padded into the attention pages"
+                ),
             },
             "what the suites expect of vLLM's KV cache for this model",
             required=True,
         ),
         "metadata": table(
             {
-                "kda_prefill_backend": Spec("str"),
-                "num_speculative_tokens": _count(""),
-                "max_model_len": _count(""),
+                "kda_prefill_backend": Spec("str", "the KDA prefill kernel the spec is built for"),
+                "num_speculative_tokens": _count("MTP draft tokens of the speculative variants"),
+                "max_model_len": _count("the model length of the metadata builds"),
             },
             "what the metadata suite expects",
         ),
@@ -120,18 +128,18 @@ PROFILE = table(
         ),
         "warm": table(
             {
-                "prompt_tokens": Spec("list", items=_count("")),
-                "prompt_blocks": Spec("list", items=_positive("")),
-                "max_tokens": _count(""),
+                "prompt_tokens": Spec("list", "prompt lengths in tokens", items=_count("")),
+                "prompt_blocks": Spec("list", "prompt lengths in blocks", items=_positive("")),
+                "max_tokens": _count("greedy tokens per warm request"),
             },
             "what nox -s warm runs to compile the kernels",
         ),
         "tolerances": TOLERANCES,
-        "mtp": table({"num_speculative_tokens": _count("")}, "the MTP drafter"),
+        "mtp": table({"num_speculative_tokens": _count("its draft tokens")}, "the MTP drafter"),
         "noise": table(
             {
-                "prompt_blocks": _positive(""),
-                "max_tokens": _count(""),
+                "prompt_blocks": _positive("its prompt, in blocks"),
+                "max_tokens": _count("tokens generated per request"),
                 "plant_within": Spec("str", "where the noise suite plants its probe"),
             },
             "the noise suite",
@@ -145,19 +153,21 @@ PROFILE = table(
         ),
         "pd": table(
             {
-                "kv_buffer_device": Spec("str"),
+                "kv_buffer_device": Spec("str", "NIXL's KV buffer: cuda or cpu"),
                 "engine": open_table("both servers' engine arguments over [engine]"),
                 "environment": open_table("both servers' environment"),
-                "prefill_environment": open_table(),
-                "decode_environment": open_table(),
-                "other_environment": open_table(),
-                "prompt_whole_blocks": _positive(""),
-                "unaligned_prompt_blocks": _positive(""),
-                "max_tokens": _count(""),
-                "kv_groups": _count(""),
-                "startup_timeout_s": _positive(""),
-                "request_timeout_s": _positive(""),
-                "connect_attempts": _count(""),
+                "prefill_environment": open_table("P's environment"),
+                "decode_environment": open_table("D's environment"),
+                "other_environment": open_table("the other-weights prefiller's environment"),
+                "prompt_whole_blocks": _positive(
+                    "the judged prompt: N-1 tokens on a block boundary"
+                ),
+                "unaligned_prompt_blocks": _positive("the mid-block prompt, in blocks"),
+                "max_tokens": _count("tokens generated per request"),
+                "kv_groups": _count("the KV groups a transfer carries"),
+                "startup_timeout_s": _positive("the longest wait for a server to start (seconds)"),
+                "request_timeout_s": _positive("the longest wait for one request (seconds)"),
+                "connect_attempts": _count("tries of a first handshake that timed out"),
                 "connect_retry_reproduction": Spec(
                     "str",
                     "upstream/NAME: the defect the retry works around",
@@ -170,8 +180,12 @@ PROFILE = table(
         ),
         "dflash": table(
             {
-                "num_speculative_tokens": _count(""),
-                "target_layer_ids": Spec("list", items=Spec("int", minimum=-1)),
+                "num_speculative_tokens": _count("its draft tokens"),
+                "target_layer_ids": Spec(
+                    "list",
+                    "the target layers it taps (-1: the embeddings)",
+                    items=Spec("int", minimum=-1),
+                ),
                 "config": open_table("the drafter's config"),
                 "tolerances": TOLERANCES,
             },

@@ -80,3 +80,11 @@ def test_the_pages_use_the_markers_the_hook_knows():
     docs = repo_root() / "docs"
     assert "<!-- table: cells -->" in (docs / "cells.md").read_text()
     assert "<!-- table: mutants -->" in (docs / "catches.md").read_text()
+
+
+def test_a_contract_renders_as_its_reference_table(tmp_path):
+    text = tables.render("contract-matrix", repo_root(), tmp_path)
+    assert text.startswith("| key | type | default | allowed | meaning |")
+    assert "| `cells.NAME.gpus` | int | `0` | >= 0 |" in text
+    with pytest.raises(ValueError, match="contract-matrix, contract-profile"):
+        tables.render("contract-nope", repo_root(), tmp_path)
