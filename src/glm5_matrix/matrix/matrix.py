@@ -16,8 +16,8 @@ from typing import Any
 
 from glm5_matrix import contracts
 from glm5_matrix.errors import UserError
+from glm5_matrix.files import MATRIX_FILE as MATRIX_FILE  # re-exported: callers import it here
 
-MATRIX_FILE = "matrix.toml"
 SUITES = ("e2e", "offload", "pd", "dflash", "noise", "layout", "metadata", "unit", "lint", "faults")
 # Suites whose cells start engines or servers (the others have nothing to warm).
 ENGINE_SUITES = ("e2e", "offload", "dflash", "pd", "noise")
