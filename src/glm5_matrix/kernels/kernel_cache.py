@@ -311,11 +311,16 @@ def probe(python: str | Path, environ: Mapping[str, str] | None = None) -> dict[
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
-def for_interpreter(python: str | Path, environ: Mapping[str, str] | None = None) -> KernelCache:
-    """The kernel cache of the cell whose interpreter is `python` on this machine (prepared)."""
+def for_interpreter(
+    python: str | Path, environ: Mapping[str, str] | None = None, *, create: bool = True
+) -> KernelCache:
+    """The kernel cache of the cell whose interpreter is `python` on this machine: prepared,
+    or where `create` is false only located (nothing is created: `kernel-cache show`, and an
+    import that may yet be refused)."""
     environ = os.environ if environ is None else environ
     key = {**probe(python, environ), "gpu_arch": gpu_arch(environ)}
-    return prepare(layout(key, environ))
+    found = layout(key, environ)
+    return prepare(found) if create else found
 
 
 def for_this_process(environ: Mapping[str, str] | None = None) -> KernelCache:
