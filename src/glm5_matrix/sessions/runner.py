@@ -59,7 +59,7 @@ class RunOptions:
 
 def parse_posargs(posargs: list[str], environ: dict[str, str]) -> RunOptions:
     parser = argparse.ArgumentParser(prog="nox -s CELL --", add_help=False)
-    parser.add_argument("--model", help="checkpoint directory (else GLM5_PRUNED_MODEL / MODEL)")
+    parser.add_argument("--model", help="checkpoint directory (else GLM5_PRUNED_MODEL)")
     parser.add_argument("--vllm", help="vLLM version, wheel or source checkout to test")
     parser.add_argument("--kernel-archive", help="import this kernel cache archive first")
     known, rest = parser.parse_known_args(posargs)
@@ -95,6 +95,27 @@ def resolve_weights(
         load_glm_config(path)  # raises with one line when it is not a GLM-5.3-Flash checkpoint
         return cell_context.Weights(kind="checkpoint", path=str(path.resolve()), source=source)
     return cell_context.Weights(kind=default, source="profile")
+
+
+# Variables that other tools set for a model of their own (a bare MODEL is common in CI
+# environments): never read as the checkpoint, unless a profile lists one in its [weights]
+# checkpoint_variables, the documented opt-in (docs/configuration.md). A run says it left one
+# unread, so that nobody takes its random weights for their checkpoint.
+FOREIGN_MODEL_VARIABLES = ("MODEL",)
+
+
+def unread_model_variables(variant: Variant, environ: Mapping[str, str]) -> str:
+    """A line naming the set FOREIGN_MODEL_VARIABLES the profile does not read, or an empty one."""
+    cell = variant.cell
+    if cell.profile is None or cell.suite not in WEIGHTS_SUITES:
+        return ""
+    listed = load_profile(cell.profile).section("weights").get("checkpoint_variables", [])
+    unread = [name for name in FOREIGN_MODEL_VARIABLES if environ.get(name) and name not in listed]
+    if not unread:
+        return ""
+    given = ", ".join(f"{name}={environ[name]}" for name in unread)
+    read = " or ".join([*listed, "-- --model"])
+    return f"weights: {given} is not read as the checkpoint (it is named by {read})"
 
 
 def check_profile(variant: Variant) -> None:
@@ -175,6 +196,9 @@ def _run_variant(
             _install_only(session, variant, environ, options)
             return None
         model_source = resolve_weights(variant, options.model, environ)
+        unread = unread_model_variables(variant, environ)
+        if unread:
+            session.warn(unread)
         check_drafter(variant, environ)
         found = hardware.detect(environ)
         verdict = hardware.check(variant.cell, found)
