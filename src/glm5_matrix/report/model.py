@@ -20,6 +20,7 @@ from typing import Any
 from glm5_matrix.errors import UserError
 from glm5_matrix.matrix.guards import EXECUTED_FILE
 from glm5_matrix.matrix.matrix import Matrix, Variant
+from glm5_matrix.report.comparisons import Comparison, comparisons
 from glm5_matrix.results.schema import RESULTS_FILE, first_line
 
 STATUSES = ("passed", "failed", "skipped", "not run", "interrupted")
@@ -66,6 +67,11 @@ class CellReport:
     @property
     def failures(self) -> list[TestResult]:
         return [t for t in self.tests if t.outcome in FAILED_OUTCOMES]
+
+    @property
+    def comparisons(self) -> list[Comparison]:
+        """The judged comparisons its figures record (glm5_matrix.report.comparisons)."""
+        return comparisons(self.figures, {t.nodeid: t.message for t in self.failures})
 
     @property
     def label(self) -> str:
