@@ -66,7 +66,9 @@ def register(subparsers: Any) -> None:
         "--check-browser",
         action="store_true",
         help="load report.html in headless Chromium: no console error, no request, every cell "
-        "and test on it; writes report.png beside it",
+        "and test on it, the verdict and first failure on its first screen, every comparison "
+        "drawn right, each collapsed section working; writes report.png beside it (exit 1 "
+        "when a check fails)",
     )
     parser.set_defaults(func=_run, preflight=_preflight)
 
