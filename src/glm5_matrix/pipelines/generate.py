@@ -32,13 +32,7 @@ from typing import Any
 
 from glm5_matrix.errors import UserError
 from glm5_matrix.files import write_atomic
-from glm5_matrix.matrix.matrix import (
-    MATRIX_FILE,
-    Matrix,
-    Variant,
-    load_matrix,
-    parse_compute_capability,
-)
+from glm5_matrix.matrix.matrix import MATRIX_FILE, Matrix, Variant, load_matrix
 from glm5_matrix.matrix.profiles import profile_chain
 
 KINDS = ("buildkite", "github")
@@ -74,7 +68,7 @@ def capability_tag(variant: Variant) -> str | None:
     """ "sm90" for a cell that needs compute capability >= 9.0 (the matrix's own tag)."""
     if variant.cell.min_compute_capability is None:
         return None
-    major, minor = parse_compute_capability(variant.cell.min_compute_capability)
+    major, minor = variant.cell.min_compute_capability
     return f"sm{major}{minor}"
 
 
