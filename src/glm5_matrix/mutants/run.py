@@ -19,7 +19,6 @@ put first on the cell's PYTHONPATH (glm5_matrix.mutants.patching).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import shutil
@@ -82,14 +81,8 @@ def source_venv(matrix: Matrix, variant: Variant, say: Callable[[str], None]) ->
     wanted = environments.fingerprint(env, None)
     base = repo_root() / ".nox"
     for other in [variant, *matrix.variants]:
-        if other.env != variant.env:
-            continue
-        marker = base / other.slug / environments.FINGERPRINT_FILE
-        try:
-            if json.loads(marker.read_text()) == wanted:
-                return base / other.slug
-        except (OSError, ValueError):
-            continue
+        if other.env == variant.env and environments.is_current(base / other.slug, wanted):
+            return base / other.slug
     say(f"building the {variant.env} environment at {base / variant.slug}")
     built = environments.build(env, base / variant.slug)
     assert built.venv is not None
@@ -131,7 +124,7 @@ def run_cell(
     ]
     environ = {
         **os.environ,
-        runner.VENVS_VARIABLE: str(venvs),
+        environments.VENVS_VARIABLE: str(venvs),
         schema.RESULTS_VARIABLE: str(results),
     }
     # A patch to a Triton kernel's source (the rejection sampler's) compiles that kernel anew by

@@ -33,7 +33,6 @@ from glm5_matrix.results import closing, executed, schema
 from glm5_matrix.sessions import nox_session
 from glm5_matrix.sessions.nox_session import NoxSession
 
-VENVS_VARIABLE = "GLM5_MATRIX_VENVS"
 # Suites that load model weights; the others read the profile's config only.
 WEIGHTS_SUITES = ("e2e", "offload", "pd")
 
@@ -144,8 +143,7 @@ def results_dir(variant: Variant, environ: dict[str, str]) -> Path:
 
 
 def venv_dir(variant: Variant, environ: dict[str, str]) -> Path:
-    base = Path(environ.get(VENVS_VARIABLE) or repo_root() / ".nox")
-    return base / variant.slug
+    return environments.venvs_base(environ) / variant.slug
 
 
 def _record_skip(out: Path, variant: Variant, weights: cell_context.Weights, reason: str) -> None:

@@ -24,11 +24,10 @@ from glm5_matrix.sessions.nox_session import NoxSession
 
 ENV = "harness"
 VENV = "tools"
-VENVS_VARIABLE = "GLM5_MATRIX_VENVS"  # as the runner's
 
 
 def venv_dir(environ: dict[str, str]) -> Path:
-    return Path(environ.get(VENVS_VARIABLE) or repo_root() / ".nox") / VENV
+    return environments.venvs_base(environ) / VENV
 
 
 def parse(session: NoxSession, argv: list[str], parser: argparse.ArgumentParser) -> bool:
