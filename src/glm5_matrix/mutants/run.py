@@ -35,7 +35,7 @@ from pathlib import Path
 from glm5_matrix.envs import environments
 from glm5_matrix.errors import UserError
 from glm5_matrix.files import repo_root
-from glm5_matrix.kernels import kernel_cache
+from glm5_matrix.kernels import kernel_guard
 from glm5_matrix.machine import hardware
 from glm5_matrix.matrix.matrix import Matrix, Variant
 from glm5_matrix.mutants import catalogue, patching, record, verdicts
@@ -130,7 +130,7 @@ def run_cell(
     # A patch to a Triton kernel's source (the rejection sampler's) compiles that kernel anew by
     # design: the kernel guard (GLM5_MATRIX_STRICT turns it on) would fail the run for that, and
     # a guard failure must not read as a catch.
-    environ[kernel_cache.GUARD_VARIABLE] = "0"
+    environ[kernel_guard.GUARD_VARIABLE] = "0"
     if overlay is None:
         environ.pop(environments.PYTHON_VARIABLE, None)  # the copy is the interpreter
     else:

@@ -23,7 +23,7 @@ from pathlib import Path
 from glm5_matrix.envs import environments
 from glm5_matrix.errors import UserError
 from glm5_matrix.files import repo_root, write_json_atomic
-from glm5_matrix.kernels import kernel_archive, kernel_cache
+from glm5_matrix.kernels import kernel_archive, kernel_cache, kernel_guard
 from glm5_matrix.machine import hardware, kill_domain, leases, supervision
 from glm5_matrix.matrix import context as cell_context
 from glm5_matrix.matrix.matrix import MATRIX_FILE, Matrix, Variant, load_matrix
@@ -289,7 +289,7 @@ def _run_leased(
     session.log(f"lease: {lease.describe()}")
     session.log(f"weights: {model_source.describe()}")
     session.log(f"environment {variant.env}: {built.describe()}")
-    guarded = kernel_cache.guard_enabled({**environ, **environment})
+    guarded = kernel_guard.guard_enabled({**environ, **environment})
     if kernels is not None:
         session.log(f"kernel cache: {kernels.describe()} (guard {'on' if guarded else 'off'})")
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from glm5_matrix.errors import UserError
-from glm5_matrix.kernels import kernel_archive, kernel_cache
+from glm5_matrix.kernels import kernel_archive, kernel_cache, kernel_guard
 from glm5_matrix.machine import hardware
 from glm5_matrix.matrix.context import LEDGER_VARIABLE
 from glm5_matrix.matrix.matrix import ENGINE_SUITES, Matrix, Variant
@@ -180,7 +180,7 @@ def run(session: NoxSession, matrix: Matrix) -> None:
                     posargs=list(options.cell_args),
                     tests=(WARM_SUITE,),
                     out=out,
-                    environment={kernel_cache.GUARD_VARIABLE: "0", LEDGER_VARIABLE: str(ledger)},
+                    environment={kernel_guard.GUARD_VARIABLE: "0", LEDGER_VARIABLE: str(ledger)},
                 )
             finally:
                 lines += summary_lines(variant, out)

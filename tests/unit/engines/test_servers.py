@@ -415,7 +415,7 @@ def test_server_devices_outside_the_cell_are_an_error(positions, visible):
 def test_a_server_start_records_what_it_compiled_and_the_guard_fails_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from glm5_matrix.kernels import kernel_cache
+    from glm5_matrix.kernels import kernel_cache, kernel_guard
 
     monkeypatch.setenv("GLM5_MATRIX_GPUS", "9.0")
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
@@ -425,7 +425,7 @@ def test_a_server_start_records_what_it_compiled_and_the_guard_fails_it(
         "STUB_REPORT": str(tmp_path / "report.json"),
         "STUB_COMPILE": "_fwd_kernel.cubin",
     }
-    monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "0")
+    monkeypatch.setenv(kernel_guard.GUARD_VARIABLE, "0")
     starts_before = len(recorder.engine_starts())
     with servers.VllmServer("compiles", "/m", env=env, log_dir=tmp_path / "a"):
         pass
@@ -437,12 +437,12 @@ def test_a_server_start_records_what_it_compiled_and_the_guard_fails_it(
         os.environ[kernel_cache.ACTIVE_VARIABLE]
     )
 
-    monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "1")
+    monkeypatch.setenv(kernel_guard.GUARD_VARIABLE, "1")
     server = servers.VllmServer(
         "compiles-again", "/m", env={**env, "STUB_COMPILE": "_other.cubin"}, log_dir=tmp_path / "b"
     )
     with pytest.raises(
-        kernel_cache.KernelCompiled, match=r"triton: 1 file\(s\) \(HASH/_other.cubin\)"
+        kernel_guard.KernelCompiled, match=r"triton: 1 file\(s\) \(HASH/_other.cubin\)"
     ):
         server.start()
     assert server.group_members_left() == [], "the refused server was not stopped"
@@ -476,14 +476,14 @@ def test_a_kernel_another_process_compiles_during_a_server_start_never_fails_it(
     import subprocess
     import sys
 
-    from glm5_matrix.kernels import kernel_cache, writers
+    from glm5_matrix.kernels import kernel_cache, kernel_guard, writers
 
     # The unit tests may run in a kill-domain cgroup (nox), which the stranger would inherit.
     monkeypatch.setattr(writers, "_domain_cgroups", lambda pid="self": {})
     monkeypatch.setenv("GLM5_MATRIX_GPUS", "9.0")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     monkeypatch.setenv(kernel_cache.ACTIVE_VARIABLE, str(tmp_path))
-    monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "1")
+    monkeypatch.setenv(kernel_guard.GUARD_VARIABLE, "1")
     (tmp_path / "triton").mkdir()
     done = tmp_path / "stranger.done"
     env = {
