@@ -16,6 +16,8 @@ from typing import Any
 from glm5_matrix.files import write_json_atomic
 from glm5_matrix.results.junit import mark_junit_incomplete, write_junit
 from glm5_matrix.results.schema import (
+    CONTEXT_FILE,
+    JUNIT_FILE,
     RESULTS_FILE,
     count_outcomes,
     describe_ending,
@@ -75,7 +77,7 @@ def record_ending(
 
 def _context(results_dir: Path) -> Any:
     try:
-        return json.loads((results_dir / "context.json").read_text())
+        return json.loads((results_dir / CONTEXT_FILE).read_text())
     except (OSError, ValueError):
         return None
 
@@ -100,7 +102,7 @@ def write_skip(results_dir: Path, context: dict[str, Any], reason: str) -> None:
     """A cell that preflight skipped (its hardware is missing): results.json says why, so that
     a report tells "skipped: needs 2 GPU(s) ..." from "not run". Whatever an earlier run left
     in the folder goes first: nothing of it is this run's."""
-    for name in (RESULTS_FILE, "junit.xml", "context.json"):
+    for name in (RESULTS_FILE, JUNIT_FILE, CONTEXT_FILE):
         (results_dir / name).unlink(missing_ok=True)
     write_json_atomic(results_dir / RESULTS_FILE, _record(context, 0, 0.0, skipped=reason))
 

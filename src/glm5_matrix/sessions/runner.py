@@ -303,7 +303,7 @@ def _run_leased(
         kernel_guard=guarded,
     )
     ctx = replace(ctx, environment={**cell_environment, **lease.environment()})
-    context_file = out / "context.json"
+    context_file = out / schema.CONTEXT_FILE
     write_json_atomic(context_file, asdict(ctx))
 
     run_env = dict(ctx.environment)
