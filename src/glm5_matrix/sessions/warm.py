@@ -193,19 +193,27 @@ def run(session: NoxSession, matrix: Matrix) -> None:
     for directory in caches:
         session.log(f"warm: kernel cache {directory}")
     if options.export:
-        if len(caches) != 1:
-            session.error(
-                f"--export: the cells used {len(caches)} kernel caches "
-                f"({', '.join(d.name for d in caches)}); export one with glm5-matrix kernel-cache"
-            )
-        try:
-            done = kernel_archive.export_archive(
-                next(iter(caches.values())),
-                Path(options.export),
-                compression=options.compression,
-                part_size_mib=options.part_size,
-            )
-        except UserError as exc:
-            session.error(str(exc))
-        session.log(f"warm: exported {done.describe()}")
-        session.log("warm: written " + " ".join(str(p) for p in done.written))
+        export(session, options, caches)
+
+
+def export(
+    session: NoxSession, options: WarmOptions, caches: dict[Path, kernel_cache.KernelCache]
+) -> None:
+    """--export: the archive of the one kernel cache the cells used."""
+    assert options.export is not None
+    if len(caches) != 1:
+        session.error(
+            f"--export: the cells used {len(caches)} kernel caches "
+            f"({', '.join(d.name for d in caches)}); export one with glm5-matrix kernel-cache"
+        )
+    try:
+        done = kernel_archive.export_archive(
+            next(iter(caches.values())),
+            Path(options.export),
+            compression=options.compression,
+            part_size_mib=options.part_size,
+        )
+    except UserError as exc:
+        session.error(str(exc))
+    session.log(f"warm: exported {done.describe()}")
+    session.log("warm: written " + " ".join(str(p) for p in done.written))

@@ -11,6 +11,8 @@ from pathlib import Path
 import synthetic_checkpoint
 
 from glm5_matrix.machine import supervision
+from glm5_matrix.matrix.matrix import Variant
+from glm5_matrix.matrix.profiles import Profile, load_profile
 from glm5_matrix.sessions import runner
 
 
@@ -47,6 +49,12 @@ def test_the_command_runs_under_the_supervisor(tmp_path: Path) -> None:
     assert waited > supervision.GRACE_S + 2 * supervision.KILL_AFTER_S
 
 
+def _profile(variant: Variant) -> Profile:
+    """The variant's profile, as preflight loads it once for the run (the runner's CellPlan)."""
+    assert variant.cell.profile is not None
+    return load_profile(variant.cell.profile)
+
+
 def _checkpoint(folder: Path) -> Path:
     """A folder with a GLM-5.3-Flash config.json: what resolve_weights accepts as a checkpoint."""
     folder.mkdir(parents=True)
@@ -60,19 +68,20 @@ def test_a_bare_model_variable_is_not_read_as_the_checkpoint(tmp_path: Path, mat
     left MODEL unread."""
     variant = matrix.variant("e2e-tp1(deep_gemm)")
     theirs = str(_checkpoint(tmp_path / "their-model"))
-    weights = runner.resolve_weights(variant, None, {"MODEL": theirs})
+    weights = runner.resolve_weights(variant, _profile(variant), None, {"MODEL": theirs})
     assert (weights.kind, weights.source) == ("random", "profile")
-    assert runner.unread_model_variables(variant, {"MODEL": theirs}) == (
+    assert runner.unread_model_variables(variant, _profile(variant), {"MODEL": theirs}) == (
         f"weights: MODEL={theirs} is not read as the checkpoint "
         "(it is named by GLM5_PRUNED_MODEL or -- --model)"
     )
     ours = str(_checkpoint(tmp_path / "ours"))
     environ = {"MODEL": theirs, "GLM5_PRUNED_MODEL": ours}
-    weights = runner.resolve_weights(variant, None, environ)
+    weights = runner.resolve_weights(variant, _profile(variant), None, environ)
     assert (weights.kind, weights.path, weights.source) == ("checkpoint", ours, "GLM5_PRUNED_MODEL")
-    assert runner.unread_model_variables(variant, {}) == ""
+    assert runner.unread_model_variables(variant, _profile(variant), {}) == ""
     # cells that load no weights say nothing of it
-    assert runner.unread_model_variables(matrix.variant("layout"), {"MODEL": theirs}) == ""
+    layout = matrix.variant("layout")
+    assert runner.unread_model_variables(layout, _profile(layout), {"MODEL": theirs}) == ""
 
 
 def test_a_profile_may_opt_in_to_a_bare_model_variable(tmp_path: Path, monkeypatch) -> None:
@@ -93,6 +102,6 @@ def test_a_profile_may_opt_in_to_a_bare_model_variable(tmp_path: Path, monkeypat
     monkeypatch.setenv("GLM5_MATRIX_ROOT", str(tmp_path))
     variant = load_matrix(tmp_path / "matrix.toml").variant("e2e-tp1(deep_gemm)")
     theirs = str(_checkpoint(tmp_path / "model"))
-    weights = runner.resolve_weights(variant, None, {"MODEL": theirs})
+    weights = runner.resolve_weights(variant, _profile(variant), None, {"MODEL": theirs})
     assert (weights.kind, weights.source) == ("checkpoint", "MODEL")
-    assert runner.unread_model_variables(variant, {"MODEL": theirs}) == ""
+    assert runner.unread_model_variables(variant, _profile(variant), {"MODEL": theirs}) == ""
