@@ -18,16 +18,12 @@ import time
 from pathlib import Path
 
 import pytest
+from polling import alive
 from scaffold import serve_http
 
 from glm5_matrix.engines import servers
 from glm5_matrix.machine import processes
 from glm5_matrix.results import recorder
-
-
-def _alive(pid: int) -> bool:
-    stat = processes.proc_stat(pid)
-    return stat is not None and stat[0] != "Z"
 
 
 def _wait_for_file(path: Path, seconds: float = 30.0) -> str:
@@ -115,11 +111,11 @@ def test_stop_process_group_kills_child_and_grandchild(tmp_path: Path) -> None:
     )
     try:
         grandchild = int(_wait_for_file(pid_file))
-        assert _alive(proc.pid) and _alive(grandchild)
+        assert alive(proc.pid) and alive(grandchild)
         assert sorted(processes.group_members(proc.pid)) == sorted([proc.pid, grandchild])
         assert processes.stop_process_group(proc, grace_seconds=1.0, kill_seconds=10.0)
-        assert not _alive(proc.pid)
-        assert not _alive(grandchild)
+        assert not alive(proc.pid)
+        assert not alive(grandchild)
         assert processes.group_members(proc.pid) == []
         assert proc.returncode == -9  # SIGTERM was ignored: SIGKILL did it
     finally:
@@ -301,11 +297,11 @@ def test_start_and_stop_a_server(tmp_path: Path) -> None:
         assert seen["args"][6:] == ["--max-model-len", "64"]
         assert seen["pgid"] == server.proc.pid  # its own process group
         assert server.port != server.side_channel_port
-        assert _alive(seen["child"])
+        assert alive(seen["child"])
         assert server.log_path == tmp_path / "logs" / "server-stub.log"
         assert server.log_path.read_text().startswith("$ ")
-    assert not _alive(server.proc.pid)
-    assert not _alive(seen["child"])
+    assert not alive(server.proc.pid)
+    assert not alive(seen["child"])
     assert not Path(seen["env"]["VLLM_RPC_BASE_PATH"]).exists()
     starts = recorder.engine_starts()[starts_before:]
     assert [s.label for s in starts] == ["server:stub"]
