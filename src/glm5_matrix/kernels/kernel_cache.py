@@ -116,7 +116,7 @@ class Library:
     files are bookkeeping (kept and exported, but not a compile when they change)."""
 
     name: str
-    variable: str
+    variable: str | None  # None: a folder of ours that no library is pointed at by a variable
     folder: str
     bookkeeping: tuple[str, ...] = ()
 
@@ -130,6 +130,9 @@ LIBRARIES = (
         (".ninja_log", ".ninja_deps", "flashinfer_jit.log"),
     ),
     Library("deep_gemm", "DG_JIT_CACHE_DIR", "deep_gemm"),
+    # TensorRT-LLM's DeepGEMM inside FlashInfer's CUTLASS MoE (fused_moe_90, fp8 block scales):
+    # one nvcc run per GEMM shape at first use, cache/<kernel>/nvcc_kernel.cubin.
+    Library("trtllm_deep_gemm", "TRTLLM_DG_CACHE_DIR", "trtllm_deep_gemm"),
     Library("triton", "TRITON_CACHE_DIR", "triton"),
     Library("inductor", "TORCHINDUCTOR_CACHE_DIR", "inductor"),
     Library("tilelang", "TILELANG_CACHE_DIR", "tilelang"),
@@ -137,9 +140,17 @@ LIBRARIES = (
     Library("vllm", "VLLM_CACHE_ROOT", "vllm", ("modelinfos", "startup_plan")),
     Library("torch_extensions", "TORCH_EXTENSIONS_DIR", "torch_extensions", ("*.ninja_*",)),
     Library("cuda", "CUDA_CACHE_PATH", "cuda", ("index",)),
+    # FlashInfer modules compiled ahead of time (glm5_matrix.kernels.flashinfer_aot): no variable,
+    # the runner lists them to FlashInfer through a provider package on the cell's PYTHONPATH.
+    Library("flashinfer_aot", None, "flashinfer_aot", ("build.json",)),
 )
 _BY_NAME = {library.name: library for library in LIBRARIES}
 LIBRARY_NAMES = tuple(library.name for library in LIBRARIES)
+
+
+def library(name: str) -> Library:
+    return _BY_NAME[name]
+
 
 # The distributions whose versions key the cache (the first one installed of each tuple).
 KEY_DISTRIBUTIONS = (
@@ -262,19 +273,21 @@ def layout(key: Mapping[str, str], environ: Mapping[str, str] | None = None) -> 
     environ = os.environ if environ is None else environ
     directory = kernel_cache_root(environ) / key_name(key)
     variables, user_set = {}, {}
-    for library in LIBRARIES:
-        value = environ.get(library.variable)
+    for each in LIBRARIES:
+        if each.variable is None:
+            continue
+        value = environ.get(each.variable)
         if value:
-            user_set[library.variable] = value
+            user_set[each.variable] = value
         else:
-            variables[library.variable] = str(directory / library.folder)
+            variables[each.variable] = str(directory / each.folder)
     return KernelCache(directory, dict(key), variables, user_set)
 
 
 def prepare(kernels: KernelCache) -> KernelCache:
     """Create the key folder, its library folders and key.json (written once, atomically)."""
-    for library in LIBRARIES:
-        kernels.folder(library).mkdir(parents=True, exist_ok=True)
+    for each in LIBRARIES:
+        kernels.folder(each).mkdir(parents=True, exist_ok=True)
     key_file = kernels.directory / KEY_FILE
     if not key_file.is_file():
         write_json_atomic(key_file, kernels.key)
@@ -311,13 +324,18 @@ def probe(python: str | Path, environ: Mapping[str, str] | None = None) -> dict[
 
 
 def for_interpreter(
-    python: str | Path, environ: Mapping[str, str] | None = None, *, create: bool = True
+    python: str | Path,
+    environ: Mapping[str, str] | None = None,
+    *,
+    create: bool = True,
+    arch: str | None = None,
 ) -> KernelCache:
     """The kernel cache of the cell whose interpreter is `python` on this machine: prepared,
     or where `create` is false only located (nothing is created: `kernel-cache show`, and an
-    import that may yet be refused)."""
+    import that may yet be refused); `arch`: the GPU arch of the key when it is not this
+    machine's (a build for another)."""
     environ = os.environ if environ is None else environ
-    key = {**probe(python, environ), "gpu_arch": gpu_arch(environ)}
+    key = {**probe(python, environ), "gpu_arch": arch or gpu_arch(environ)}
     found = layout(key, environ)
     return prepare(found) if create else found
 
@@ -350,9 +368,17 @@ Snapshot = dict[str, dict[str, FileState]]
 
 def watched(environ: Mapping[str, str] | None = None) -> dict[str, Path]:
     """Each library's cache folder as this process's environment names it (the kernel cache's,
-    or the user's own); a library whose variable is unset is not watched."""
+    or the user's own; a folder of ours without a variable, under the active key folder); a
+    library whose variable is unset is not watched."""
     environ = os.environ if environ is None else environ
-    return {lib.name: Path(environ[lib.variable]) for lib in LIBRARIES if environ.get(lib.variable)}
+    active = environ.get(ACTIVE_VARIABLE)
+    found = {}
+    for lib in LIBRARIES:
+        if lib.variable is not None and environ.get(lib.variable):
+            found[lib.name] = Path(environ[lib.variable])
+        elif lib.variable is None and active:
+            found[lib.name] = Path(active) / lib.folder
+    return found
 
 
 def is_transient(relative: str) -> bool:

@@ -354,7 +354,10 @@ def _ancestors(pid: int) -> set[int]:
     return found
 
 
-_POINTERS = (*(lib.variable for lib in kernel_cache.LIBRARIES), kernel_cache.ACTIVE_VARIABLE)
+_POINTERS = (
+    *(lib.variable for lib in kernel_cache.LIBRARIES if lib.variable),
+    kernel_cache.ACTIVE_VARIABLE,
+)
 
 
 def _pointed_at(pid: int, folders: Mapping[str, Path]) -> list[str]:
@@ -366,7 +369,7 @@ def _pointed_at(pid: int, folders: Mapping[str, Path]) -> list[str]:
         return []
     if not any(name.encode() in raw for name in _POINTERS):  # most processes
         return []
-    variables = {lib.variable: lib.name for lib in kernel_cache.LIBRARIES}
+    variables = {lib.variable: lib.name for lib in kernel_cache.LIBRARIES if lib.variable}
     found = []
     for item in raw.split(b"\0"):
         name, _, value = os.fsdecode(item).partition("=")

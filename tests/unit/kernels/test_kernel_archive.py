@@ -24,10 +24,17 @@ FILES = {
     "deep_gemm/cache/kernel.fp8_gemm.abc/kernel.cubin": os.urandom(3000),
     "triton/HASH/_fwd_kernel.cubin": b"cubin",
     "vllm/modelinfos/Glm5.json": b"{}",
+    # TensorRT-LLM's DeepGEMM inside fused_moe_90, and an AOT build of the module (issue 50).
+    "trtllm_deep_gemm/cache/gemm_4096_4096_128_128_128_288_5288_5_1_GroupedWithOffset/"
+    "nvcc_kernel.cubin": os.urandom(2000),
+    "flashinfer_aot/fused_moe_90/fused_moe_90.so": b"\x7fELF" + os.urandom(4000),
+    "flashinfer_aot/fused_moe_90/build.json": b"{}",
 }
 TRANSIENT = (
     "flashinfer/.cache/flashinfer/0.7.2.post1/90a/cached_ops/tmp/fused_moe_90.lock",
     "triton/tmp.pid_1_x/k.cubin",
+    "trtllm_deep_gemm/tmp/gemm_4096_4096_1733_1/kernel.cu",  # a compile in flight
+    ".glm5-build/fused_moe_90-fp8-block-scale/cached_ops/fused_moe_90/a.cuda.o",  # a build's
 )
 
 
@@ -67,7 +74,14 @@ def test_round_trip_keeps_every_file_and_its_exact_mtime(tmp_path: Path, compres
     mtimes = _fill(source)
     archive = tmp_path / "kernels.tar"
     done = kernel_archive.export_archive(source, archive, compression=compression)
-    assert done.files == {"flashinfer": 2, "deep_gemm": 1, "triton": 1, "vllm": 1}
+    assert done.files == {
+        "flashinfer": 2,
+        "deep_gemm": 1,
+        "triton": 1,
+        "vllm": 1,
+        "trtllm_deep_gemm": 1,
+        "flashinfer_aot": 2,
+    }
     assert [p.name for p in done.written] == ["kernels.tar", "kernels.tar.sha256"]
     # Another machine, same versions, same root path: the root is moved here in between.
     shutil.rmtree(tmp_path / "here")

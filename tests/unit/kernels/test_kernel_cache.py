@@ -22,7 +22,8 @@ KEY = KERNEL_KEY
 def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """No library variable of the real environment leaks in; the root is a temporary folder."""
     for library in kernel_cache.LIBRARIES:
-        monkeypatch.delenv(library.variable, raising=False)
+        if library.variable:
+            monkeypatch.delenv(library.variable, raising=False)
     for name in (kernel_cache.ACTIVE_VARIABLE, kernel_guard.GUARD_VARIABLE, "GLM5_MATRIX_STRICT"):
         monkeypatch.delenv(name, raising=False)
     root = tmp_path / "kernels"
@@ -55,7 +56,9 @@ def test_key_folder_names_the_versions_and_changes_with_each_of_them() -> None:
 def test_layout_puts_every_library_under_one_key_folder(clean_env: Path) -> None:
     kernels = kernel_cache.layout(KEY)
     assert kernels.directory == clean_env / kernel_cache.key_name(KEY)
-    assert set(kernels.variables) == {lib.variable for lib in kernel_cache.LIBRARIES}
+    assert set(kernels.variables) == {
+        lib.variable for lib in kernel_cache.LIBRARIES if lib.variable
+    }
     assert kernels.variables["TRITON_CACHE_DIR"] == str(kernels.directory / "triton")
     assert kernels.variables["FLASHINFER_WORKSPACE_BASE"] == str(kernels.directory / "flashinfer")
     assert kernels.user_set == {}
@@ -157,7 +160,7 @@ def _touch(path: Path, text: str = "x") -> Path:
 
 def test_written_counts_new_and_rewritten_files_only(clean_env: Path, monkeypatch) -> None:
     kernels = kernel_cache.prepare(kernel_cache.layout(KEY))
-    for name, value in kernels.variables.items():
+    for name, value in kernels.environment().items():
         monkeypatch.setenv(name, value)
     triton = kernels.directory / "triton"
     flashinfer = kernels.directory / "flashinfer" / ".cache" / "flashinfer" / "0.7.2.post1" / "90a"
@@ -210,7 +213,7 @@ def test_a_cache_hit_that_touches_files_is_no_compile_a_new_kernel_is(
     the mtime of each loaded kernel's .committed marker, FlashInfer appends to its JIT log. Not
     a compile; a kernel DeepGEMM builds (new files) and a marker rewritten with other bytes are."""
     kernels = kernel_cache.prepare(kernel_cache.layout(KEY))
-    for name, value in kernels.variables.items():
+    for name, value in kernels.environment().items():
         monkeypatch.setenv(name, value)
     cache = kernels.directory / "deep_gemm" / "cache"
     loaded = cache / "sm90_fp8_gemm_1d2d.00f95db06c7064c1ad2c0b049bb2ce77"
@@ -277,3 +280,47 @@ def test_the_record_lists_the_counted_files_first(monkeypatch: pytest.MonkeyPatc
     assert [w["path"] for w in listed] == ["C0/k.cubin", "C1/k.cubin", "S0/k.cubin"]
     assert record["written_total"] == 6
     assert record["not_counted"] == {"triton": 4}
+
+
+def test_a_trtllm_deepgemm_kernel_is_a_compile_its_temporary_source_is_not(
+    clean_env: Path, monkeypatch
+) -> None:
+    """FlashInfer's CUTLASS MoE (fused_moe_90, fp8 block scales) compiles TensorRT-LLM DeepGEMM
+    kernels at first use into $TRTLLM_DG_CACHE_DIR (deep_gemm/compiler.cuh): kernel.cu and the
+    cubin in tmp/<name>_<id>/, then the cubin renamed to cache/<name>/nvcc_kernel.cubin. The
+    kernel cache points the variable at its key folder, and the renamed cubin counts."""
+    kernels = kernel_cache.prepare(kernel_cache.layout(KEY))
+    assert kernels.variables["TRTLLM_DG_CACHE_DIR"] == str(kernels.directory / "trtllm_deep_gemm")
+    for name, value in kernels.environment().items():
+        monkeypatch.setenv(name, value)
+    folder = Path(os.environ["TRTLLM_DG_CACHE_DIR"])
+    name = "gemm_swapAB_4096_4096_128_16_128_288_8288_8_1_GroupedWithOffset"
+    before = kernel_cache.snapshot()
+    work = _touch(folder / "tmp" / f"{name}_1733450000000_42" / "kernel.cu", "source")
+    cubin = _touch(work.with_name("nvcc_kernel.cubin"), "cubin")
+    assert kernel_cache.written(before, kernel_cache.snapshot())["trtllm_deep_gemm"] == []
+    target = folder / "cache" / name / "nvcc_kernel.cubin"
+    target.parent.mkdir(parents=True)
+    os.rename(cubin, target)
+    changed = kernel_cache.written(before, kernel_cache.snapshot())
+    assert changed["trtllm_deep_gemm"] == [f"cache/{name}/nvcc_kernel.cubin"]
+    monkeypatch.setenv(kernel_guard.GUARD_VARIABLE, "1")
+    with pytest.raises(kernel_guard.KernelCompiled, match=r"trtllm_deep_gemm: 1 file\(s\)"):
+        kernel_guard.refuse_compiled(changed, "the start of engine e")
+
+
+def test_an_aot_module_is_watched_in_the_active_key_folder(clean_env: Path, monkeypatch) -> None:
+    """The AOT library has no variable of a library: it is watched under the key folder the
+    cell runs with, and its build record is bookkeeping."""
+    kernels = kernel_cache.prepare(kernel_cache.layout(KEY))
+    assert "flashinfer_aot" not in kernel_cache.watched()
+    for name, value in kernels.environment().items():
+        monkeypatch.setenv(name, value)
+    assert kernel_cache.watched()["flashinfer_aot"] == kernels.directory / "flashinfer_aot"
+    before = kernel_cache.snapshot()
+    _touch(kernels.directory / "flashinfer_aot" / "fused_moe_90" / "build.json", "{}")
+    assert kernel_cache.written(before, kernel_cache.snapshot())["flashinfer_aot"] == []
+    _touch(kernels.directory / "flashinfer_aot" / "fused_moe_90" / "fused_moe_90.so", "elf")
+    assert kernel_cache.written(before, kernel_cache.snapshot())["flashinfer_aot"] == [
+        "fused_moe_90/fused_moe_90.so"
+    ]

@@ -50,7 +50,8 @@ def test_fails_by_itself():
 @pytest.fixture
 def caches(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     for library in kernel_cache.LIBRARIES:
-        monkeypatch.delenv(library.variable, raising=False)
+        if library.variable:
+            monkeypatch.delenv(library.variable, raising=False)
     monkeypatch.delenv("GLM5_MATRIX_STRICT", raising=False)
     triton = tmp_path / "kernels" / "triton"
     triton.mkdir(parents=True)
@@ -169,6 +170,56 @@ def test_what_another_process_compiles_never_fails_a_test(
     assert "file(s) (STRANGER" not in out
     # Each test: the stranger's kernel and its .done file, named as not counted.
     assert out.count("2 written by process(es) outside the cell") == 2
+
+
+DEEPGEMM_SUITE = """
+import os, subprocess, sys
+from pathlib import Path
+
+NAME = "gemm_4096_2048_128_128_128_288_5288_5_1_GroupedWithOffset"
+# What FlashInfer's DeepGEMM compiler does in the engine's process at a GEMM's first use
+# (deep_gemm/compiler.cuh): the source and the compiler's output in tmp/, then a rename.
+COMPILE = '''
+import os, sys
+from pathlib import Path
+root, name = Path(sys.argv[1]), sys.argv[2]
+work = root / "tmp" / (name + "_1733450000000_7")
+work.mkdir(parents=True)
+(work / "kernel.cu").write_text("// generated")
+(work / "nvcc_kernel.cubin").write_bytes(b"cubin")  # nvcc -o tmp/.../nvcc_kernel.cubin
+(root / "cache" / name).mkdir(parents=True)
+os.rename(work / "nvcc_kernel.cubin", root / "cache" / name / "nvcc_kernel.cubin")
+'''
+
+def test_a_moe_gemm_first_used():
+    subprocess.run([sys.executable, "-c", COMPILE, os.environ["TRTLLM_DG_CACHE_DIR"], NAME],
+                   check=True)
+
+def test_a_moe_gemm_found_in_the_cache():
+    path = Path(os.environ["TRTLLM_DG_CACHE_DIR"]) / "cache" / NAME / "nvcc_kernel.cubin"
+    assert path.is_file()
+"""
+
+
+def test_a_trtllm_deepgemm_kernel_compiled_by_the_cell_fails_the_test(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, caches: Path
+) -> None:
+    """The DeepGEMM kernels FlashInfer's CUTLASS MoE compiles at run time are in the kernel
+    cache (TRTLLM_DG_CACHE_DIR) and counted: a test whose process compiled one fails naming
+    it; the next test, which finds it there, passes."""
+    folder = caches.parent / "trtllm_deep_gemm"
+    folder.mkdir()
+    monkeypatch.setenv("TRTLLM_DG_CACHE_DIR", str(folder))
+    monkeypatch.setenv(kernel_guard.GUARD_VARIABLE, "1")
+    pytester.makepyfile(test_cell=DEEPGEMM_SUITE)
+    run = pytester.runpytest("-p", "glm5_matrix.kernels.kernel_guard", "-rf")
+    run.assert_outcomes(passed=1, failed=1)
+    out = run.stdout.str()
+    assert "during test_cell.py::test_a_moe_gemm_first_used" in out
+    assert (
+        "trtllm_deep_gemm: 1 file(s) (cache/gemm_4096_2048_128_128_128_288_5288_5_1_"
+        "GroupedWithOffset/nvcc_kernel.cubin)"
+    ) in out
 
 
 # --- the policy, as the engines' starts and the runner read it ---------------------------------
