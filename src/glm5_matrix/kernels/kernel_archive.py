@@ -191,8 +191,10 @@ def export_archive(
     compression: str = "gz",
     part_size_mib: float | None = None,
     libraries: Sequence[str] | None = None,
+    prefixes: Sequence[str] | None = None,
 ) -> Transfer:
-    """Write the key folder of `kernels` to `target` (see the module doc)."""
+    """Write the key folder of `kernels` to `target` (see the module doc); with `prefixes`,
+    only the files whose name in the archive (LIBRARY_FOLDER/...) starts with one of them."""
     if compression not in COMPRESSIONS:
         raise UserError(f"compression {compression!r} is not one of {', '.join(COMPRESSIONS)}")
     names = list(libraries or kernel_cache.LIBRARY_NAMES)
@@ -212,7 +214,11 @@ def export_archive(
     part_size = None if part_size_mib is None else max(1, int(part_size_mib * 2**20))
     transfer = Transfer(target)
     with locked(kernels.directory.parent):
-        members = list(_library_files(kernels, names))
+        members = [
+            m
+            for m in _library_files(kernels, names)
+            if prefixes is None or m[2].startswith(tuple(prefixes))
+        ]
         manifest = {
             "format": FORMAT,
             "key": kernels.key,
@@ -500,10 +506,11 @@ def _show(args: argparse.Namespace) -> int:
     print(f"kernel cache {kernels.describe()}{absent}")
     print(f"key: {kernel_cache.describe_key(kernels.key)}")
     for library in LIBRARIES:
-        folder = Path(kernels.user_set.get(library.variable) or kernels.folder(library))
+        own_folder = kernels.user_set.get(library.variable or "")
+        folder = Path(own_folder) if own_folder else kernels.folder(library)
         found = kernel_cache.files(folder) if folder.is_dir() else {}
         size = sum(s for s, _ in found.values())
-        own = " (the user's own)" if library.variable in kernels.user_set else ""
+        own = " (the user's own)" if own_folder else ""
         print(f"  {library.name:<17} {len(found):>6} files {size / 2**20:>9.1f} MiB  {folder}{own}")
     return 0
 
@@ -529,6 +536,72 @@ def _import(args: argparse.Namespace) -> int:
     for warning in done.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     return 0
+
+
+def _build_moe(args: argparse.Namespace) -> int:
+    from glm5_matrix.kernels import flashinfer_aot
+
+    if args.jobs < 1:
+        raise UserError(f"--jobs {args.jobs}: must be at least 1")
+    if args.export is not None and not Path(args.export).expanduser().absolute().parent.is_dir():
+        raise UserError(f"{Path(args.export).parent}: folder not found")
+    from glm5_matrix.matrix.profiles import load_profile
+
+    shapes = flashinfer_aot.moe_shapes(load_profile(args.profile).config(), args.tp or [1, 2, 4])
+    kernels = kernel_cache.for_interpreter(_interpreter(args), arch=args.gpu_arch)
+    print(f"kernel cache {kernels.describe()}")
+    built = flashinfer_aot.build_module(
+        kernels, _interpreter(args), shapes=shapes, jobs=args.jobs, niceness=args.nice
+    )
+    print(f"built {built.describe()}")
+    for note in built.record["toolchain_notes"]:
+        print(f"  toolchain: {note}")
+    if args.export:
+        done = export_archive(
+            kernels,
+            Path(args.export),
+            compression=args.compression,
+            libraries=["flashinfer_aot", "trtllm_deep_gemm", "flashinfer"],
+            prefixes=flashinfer_aot.exported(built.record),
+        )
+        print(f"exported {kernels.directory.name}: {done.describe()}")
+        print("written: " + " ".join(str(p) for p in done.written))
+    return 0
+
+
+def _check_moe(args: argparse.Namespace) -> int:
+    from glm5_matrix.kernels import flashinfer_aot
+
+    kernels = kernel_cache.for_interpreter(_interpreter(args), arch=args.gpu_arch)
+    failed = False
+    results, written, notes = flashinfer_aot.check_module(kernels, _interpreter(args))
+    for note in notes:
+        print(f"loader: {note}")
+    for checked in results:
+        loaded = checked.loaded or {}
+        print(f"{checked.path}: FlashInfer's AOT artifacts {loaded.get('artifacts')}")
+        print(
+            f"  mapped {loaded.get('mapped')}; JIT folder built: {loaded.get('jit_folder_exists')}"
+        )
+        if checked.result is not None:
+            print(f"  runner: {checked.result.get('init')} (exit {checked.returncode})")
+        else:
+            print(f"  the process ended with status {checked.returncode}: {checked.error}")
+        module = str(flashinfer_aot.library_folder(kernels) / flashinfer_aot.MODULE)
+        loaded_ours = bool(loaded.get("mapped")) and all(
+            m.startswith(module) for m in loaded["mapped"]
+        )
+        if not loaded_ours or loaded.get("jit_folder_exists"):
+            failed = True
+        if checked.path == "fp16":
+            if checked.symbol_error() is None:
+                print("  expected: the process ends naming the undefined symbol")
+                failed = True
+            else:
+                print(f"  {checked.symbol_error()}")
+    counted = {name: paths for name, paths in written.items() if paths}
+    print(f"kernel files written into {kernels.directory}: {counted or 'none'}")
+    return 1 if failed or counted else 0
 
 
 def _narrow_deps(args: argparse.Namespace) -> int:
@@ -564,7 +637,39 @@ def register(subparsers: Any) -> None:
     narrow.add_argument("folder")
     narrow.add_argument("--keep", action="append", required=True, metavar="PREFIX")
     narrow.set_defaults(func=_narrow_deps)
-    for sub, func in ((show, _show), (export, _export), (imported, _import)):
+    moe = actions.add_parser(
+        "build-moe",
+        help="compile FlashInfer's SM90 CUTLASS MoE module for the fp8 block-scale path, off "
+        "the GPU, into the kernel cache (see kernels/flashinfer_aot.py)",
+    )
+    moe.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="ninja's -j")
+    moe.add_argument("--nice", type=int, default=10, help="niceness of the compile (0: none)")
+    moe.add_argument(
+        "--gpu-arch", default="sm90", help="the GPU arch of the key folder (default sm90)"
+    )
+    moe.add_argument(
+        "--profile",
+        default="glm-5.3-flash-4l",
+        help="the model whose MoE shapes get DeepGEMM kernels (default glm-5.3-flash-4l)",
+    )
+    moe.add_argument(
+        "--tp", type=int, action="append", help="a TP size of those shapes (default 1, 2, 4)"
+    )
+    moe.add_argument("--export", metavar="FILE", help="then export the module to this archive")
+    moe.add_argument("--compression", choices=COMPRESSIONS, default="gz")
+    check = actions.add_parser(
+        "check-moe",
+        help="prove, without a GPU, that FlashInfer loads the kernel cache's fused_moe_90 and "
+        "builds nothing, and that a path it leaves out ends naming the symbol",
+    )
+    check.add_argument("--gpu-arch", default="sm90", help="the GPU arch of the key folder")
+    for sub, func in (
+        (show, _show),
+        (export, _export),
+        (imported, _import),
+        (moe, _build_moe),
+        (check, _check_moe),
+    ):
         sub.add_argument(
             "--python", help="the cell interpreter (default: $GLM5_MATRIX_PYTHON, else this one)"
         )

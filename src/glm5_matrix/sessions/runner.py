@@ -28,7 +28,7 @@ from typing import NoReturn
 from glm5_matrix.envs import environments
 from glm5_matrix.errors import UserError
 from glm5_matrix.files import repo_root, write_json_atomic
-from glm5_matrix.kernels import kernel_archive, kernel_cache, kernel_guard
+from glm5_matrix.kernels import flashinfer_aot, kernel_archive, kernel_cache, kernel_guard
 from glm5_matrix.machine import hardware, kill_domain, leases, supervision
 from glm5_matrix.matrix import context as cell_context
 from glm5_matrix.matrix.matrix import MATRIX_FILE, Matrix, Variant, load_matrix
@@ -391,6 +391,13 @@ def run_environment(
     # weights load format) through its metadata: nothing of ours is installed in the venv.
     src = str(repo_root() / "src")
     plugin_site = str(weights.write_plugin_site(plan.out / "site"))
+    if built.kernels is not None:
+        # FlashInfer modules built ahead of time in the key folder, listed to FlashInfer.
+        listed = flashinfer_aot.activate(
+            built.kernels, built.env.python, {**plan.environ, **built.variables}, plan.out / "site"
+        )
+        if listed:
+            session.log(f"kernel cache: {listed}")
     run_env["PYTHONPATH"] = os.pathsep.join(
         p for p in (src, plugin_site, plan.environ.get("PYTHONPATH")) if p
     )

@@ -1,0 +1,1114 @@
+"""FlashInfer modules compiled ahead of time, off the GPU, and loaded from the kernel cache.
+
+FlashInfer's CUTLASS MoE module for SM90, `fused_moe_90`, is 248 objects and a link (about 48
+minutes on 16 cores, longer than a lent GPU runner lives). The profile's MoE path (vLLM's
+FLASHINFER_CUTLASS with DeepSeek fp8 block scales: bf16 activations, fp8_e4m3 weights) needs 15
+of them: the binding, the runner instantiations, the block-scale GEMM runner, the bf16 x fp8 MoE
+GEMM runner, the TMA-WS input and mixed utilities, and 8 common files (FP8_BLOCK_SCALE_SOURCES;
+found with `nm -u` over the objects: the grouped GEMMs of this path are DeepGEMM kernels that
+fused_moe_90 compiles at run time with nvcc, none of the 220 CUTLASS `*.generated.cu`). nvcc
+needs no GPU, so `glm5-matrix kernel-cache build-moe` compiles those 15 objects on any machine
+with FlashInfer's own generator (gen_cutlass_fused_moe_sm90_module: its build.ninja, flags and
+sources, the sources narrowed to the 15) and links them with FlashInfer's own link rule into
+<key folder>/flashinfer_aot/fused_moe_90/fused_moe_90.so, beside build.json (every object with
+its source, compile command, seconds and sha256, and the symbols left out).
+
+How FlashInfer loads a module without building it, read in flashinfer-python 0.7.2.post1
+(flashinfer/jit/core.py JitSpecNvcc.try_load / build, flashinfer/jit/env.py get_aot_artifacts):
+its JIT path always writes build.ninja with all 248 sources and runs ninja, so a JIT folder
+with 15 objects is rebuilt whole at the next start; only an AOT artifact is loaded as it is:
+<flashinfer>/data/aot/<module>/<module>.so, or a module listed by a `flashinfer_jit_cache`
+package's providers (how FlashInfer's flashinfer-jit-cache wheels ship them). The kernel cache
+uses the second, without writing into the installed FlashInfer: write_provider() writes a
+`flashinfer_jit_cache` package into a folder the runner puts on the cell's PYTHONPATH (the
+cell's plugin site), whose one provider names the key folder's flashinfer_aot/ and the modules
+it holds. FlashInfer checks the provider's version against its own and the module's SM90a
+target against the GPU, then loads the .so (tvm_ffi.load_module, a dlopen) and builds nothing.
+An interpreter that has a real flashinfer_jit_cache keeps it (write_provider is not called).
+
+What is not in the module: the other dtypes' MoE GEMM runners (fp16, bf16 x bf16, fp32, fp8 x
+fp8, int4/int8 weights, fp4 and MXFP4) and the 220 CUTLASS instantiations. The .so leaves their
+symbols undefined (build.json lists them); the loader binds functions at their first call, so
+loading succeeds and a process that takes another path dies at its first call into it with
+"symbol lookup error: ... undefined symbol: <the symbol>". vLLM's FLASHINFER_CUTLASS with fp8
+block scales never calls them (the GPU run shows it: 0 compiles, no symbol error).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from glm5_matrix.errors import UserError
+from glm5_matrix.files import write_atomic, write_json_atomic
+from glm5_matrix.kernels import kernel_cache
+from glm5_matrix.kernels.kernel_cache import KernelCache
+
+MODULE = "fused_moe_90"
+# FlashInfer's CUDA target of the module (gen_cutlass_fused_moe_sm90_module: sm90a_nvcc_flags).
+TARGET = "sm90a"
+ARCH_LIST = "9.0a"
+# The sources of fused_moe_90 the fp8 block-scale path needs, relative to FlashInfer's csrc/.
+FP8_BLOCK_SCALE_SOURCES = (
+    "fused_moe/cutlass_backend/flashinfer_cutlass_fused_moe_binding.cu",
+    "fused_moe/cutlass_backend/cutlass_fused_moe_instantiation.cu",
+    "fused_moe/cutlass_backend/deepgemm_jit_setup.cu",
+    "nv_internal/tensorrt_llm/kernels/cutlass_kernels/fp8_blockscale_gemm/fp8_blockscale_gemm.cu",
+    "nv_internal/tensorrt_llm/kernels/cutlass_kernels/moe_gemm/moe_gemm_kernels_bf16_fp8.cu",
+    "nv_internal/tensorrt_llm/kernels/cutlass_kernels/moe_gemm/moe_gemm_tma_warp_specialized_input.cu",
+    "nv_internal/tensorrt_llm/kernels/cutlass_kernels/moe_gemm/moe_gemm_mixed_utils.cu",
+    "nv_internal/cpp/common/envUtils.cpp",
+    "nv_internal/cpp/common/logger.cpp",
+    "nv_internal/cpp/common/stringUtils.cpp",
+    "nv_internal/cpp/common/tllmException.cpp",
+    "nv_internal/cpp/common/memoryUtils.cu",
+    "nv_internal/tensorrt_llm/kernels/preQuantScaleKernel.cu",
+    "nv_internal/tensorrt_llm/kernels/cutlass_kernels/cutlass_heuristic.cpp",
+    "nv_internal/tensorrt_llm/kernels/lora/lora.cpp",
+)
+VARIANT = "fp8-block-scale"
+BUILD_RECORD = "build.json"
+PROVIDER_PACKAGE = "flashinfer_jit_cache"
+PROVIDER_ID = "glm5-matrix-kernel-cache"
+# Where a build keeps its objects: inside the key folder, never exported (kernel_cache.TRANSIENT).
+BUILD_FOLDER = ".glm5-build"
+
+
+def library_folder(kernels: KernelCache) -> Path:
+    return kernels.folder(kernel_cache.library("flashinfer_aot"))
+
+
+def modules(kernels: KernelCache) -> dict[str, Path]:
+    """{module: its .so} of every AOT module the key folder holds."""
+    folder = library_folder(kernels)
+    if not folder.is_dir():
+        return {}
+    return {
+        entry.name: entry / f"{entry.name}.so"
+        for entry in sorted(folder.iterdir())
+        if (entry / f"{entry.name}.so").is_file()
+    }
+
+
+def active_module(module: str = MODULE, environ: Mapping[str, str] | None = None) -> Path | None:
+    """The AOT build of `module` in the active key folder (the cell's), if it holds one."""
+    environ = os.environ if environ is None else environ
+    active = environ.get(kernel_cache.ACTIVE_VARIABLE)
+    if not active:
+        return None
+    path = Path(active) / kernel_cache.library("flashinfer_aot").folder / module / f"{module}.so"
+    return path if path.is_file() else None
+
+
+def build_record(kernels: KernelCache, module: str = MODULE) -> dict[str, Any] | None:
+    path = library_folder(kernels) / module / BUILD_RECORD
+    try:
+        return dict(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+# --- the provider FlashInfer reads ------------------------------------------------------------
+
+
+_PROVIDER_SOURCE = '''"""Written by glm5-matrix (glm5_matrix.kernels.flashinfer_aot), not FlashInfer's package: one
+provider of FlashInfer AOT modules, the kernel cache's key folder {folder}
+({listing}). See that module's doc for what each module leaves out."""
+
+import dataclasses
+
+__version__ = {version!r}
+
+
+@dataclasses.dataclass(frozen=True)
+class Provider:
+    provider_id: str
+    distribution: str
+    version: str
+    jit_cache_dir: str
+    cuda_architectures: tuple
+    modules: tuple
+
+
+def get_jit_cache_providers():
+    return [
+        Provider(
+            {provider_id!r},
+            {provider_id!r},
+            __version__,
+            {folder!r},
+            {architectures!r},
+            {modules!r},
+        )
+    ]
+
+
+def get_jit_cache_dir():
+    return {folder!r}
+'''
+
+
+def provider_source(kernels: KernelCache) -> str | None:
+    """The `flashinfer_jit_cache` package that lists the key folder's AOT modules, or None
+    when it holds none (or the key names no FlashInfer)."""
+    found = modules(kernels)
+    version = kernels.key.get("flashinfer-python")
+    if not found or not version:
+        return None
+    listing = ", ".join(
+        f"{name}: {(build_record(kernels, name) or {}).get('variant', 'whole')}" for name in found
+    )
+    return _PROVIDER_SOURCE.format(
+        folder=str(library_folder(kernels)),
+        listing=listing,
+        version=version,
+        provider_id=PROVIDER_ID,
+        architectures=(TARGET,),
+        modules=tuple(found),
+    )
+
+
+def write_provider(kernels: KernelCache, site: Path) -> Path | None:
+    """Write the provider package into `site` (a folder the cell's processes have on their
+    PYTHONPATH); its path, or None when the key folder holds no AOT module."""
+    source = provider_source(kernels)
+    if source is None:
+        return None
+    package = site / PROVIDER_PACKAGE
+    package.mkdir(parents=True, exist_ok=True)
+    write_atomic(package / "__init__.py", source)
+    return package
+
+
+_HAS_OWN = (
+    f"import importlib.util, sys; print(importlib.util.find_spec({PROVIDER_PACKAGE!r}) is not None)"
+)
+
+
+def interpreter_has_provider(python: str | Path, environ: Mapping[str, str]) -> bool:
+    """Whether `python` already imports a flashinfer_jit_cache of its own (then it is kept)."""
+    done = subprocess.run(
+        [str(python), "-c", _HAS_OWN],
+        capture_output=True,
+        text=True,
+        env=dict(environ),
+        timeout=kernel_cache.PROBE_TIMEOUT_S,
+        check=False,
+    )
+    return done.returncode == 0 and done.stdout.strip().endswith("True")
+
+
+def activate(
+    kernels: KernelCache, python: str | Path, environ: Mapping[str, str], site: Path
+) -> str | None:
+    """List the key folder's AOT modules to FlashInfer for a cell whose processes have `site` on
+    their PYTHONPATH; one line for the cell's log, or None when there is none to list."""
+    found = modules(kernels)
+    if not found:
+        return None
+    names = ", ".join(
+        f"{name} ({(build_record(kernels, name) or {}).get('variant', 'whole')})" for name in found
+    )
+    if interpreter_has_provider(python, environ):
+        return (
+            f"FlashInfer AOT modules in the kernel cache ({names}) not listed: the interpreter has "
+            f"a {PROVIDER_PACKAGE} of its own, which FlashInfer reads instead"
+        )
+    write_provider(kernels, site)
+    return f"FlashInfer loads {names} from {library_folder(kernels)} (provider {PROVIDER_ID})"
+
+
+# --- the build, in the cell's interpreter -----------------------------------------------------
+
+
+def _driver(request: dict[str, Any]) -> dict[str, Any]:
+    """Run in the interpreter whose FlashInfer is compiled: FlashInfer's own generator writes the
+    module's build.ninja (the sources narrowed to `request["sources"]`) under the build folder,
+    the way flashinfer.aot's compile_and_package_modules points its JIT folders elsewhere."""
+    from flashinfer.jit import env as jit_env
+    from flashinfer.jit.fused_moe import gen_cutlass_fused_moe_sm90_module
+
+    build = Path(request["build_dir"])
+    workspace = Path(jit_env.FLASHINFER_WORKSPACE_DIR).relative_to(jit_env.FLASHINFER_BASE_DIR)
+    jit_env.FLASHINFER_WORKSPACE_DIR = build
+    jit_env.FLASHINFER_JIT_DIR = build / "cached_ops"
+    jit_env.FLASHINFER_GEN_SRC_DIR = build / "generated"
+    spec = gen_cutlass_fused_moe_sm90_module()
+    if spec.name != request["module"]:
+        raise SystemExit(
+            f"FlashInfer names the SM90 CUTLASS MoE module {spec.name!r} here, not "
+            f"{request['module']!r} (an H20's prebuilt-D variant?)"
+        )
+    csrc = Path(jit_env.FLASHINFER_CSRC_DIR)
+    wanted = [csrc / source for source in request["sources"]]
+    known = {Path(s) for s in spec.sources}
+    absent = [str(w) for w in wanted if w not in known]
+    if absent:
+        raise SystemExit(f"not sources of FlashInfer's {spec.name} here: {', '.join(absent)}")
+    narrowed = dataclasses.replace(spec, sources=wanted)
+    narrowed.write_ninja()
+    from flashinfer.version import __version__ as flashinfer_version
+
+    return {
+        "ninja_file": str(narrowed.ninja_path),
+        "build_dir": str(narrowed.build_dir),
+        "library": str(narrowed.jit_library_path),
+        "module_sources": len(spec.sources),
+        "generated_sources": sum(1 for s in spec.sources if s.name.endswith(".generated.cu")),
+        "flashinfer_version": flashinfer_version,
+        "csrc": str(csrc),
+        "workspace": str(workspace),  # under FLASHINFER_WORKSPACE_BASE, where it writes at run time
+        "generated": str(build / "generated"),
+    }
+
+
+def _driver_main() -> None:
+    request = json.loads(sys.argv[1])
+    print("GLM5-AOT " + json.dumps(_driver(request)))
+
+
+_DRIVER = (
+    "import sys; sys.path.insert(0, sys.argv[2]); "
+    "from glm5_matrix.kernels.flashinfer_aot import _driver_main; _driver_main()"
+)
+
+
+@dataclasses.dataclass
+class Built:
+    module: Path  # the .so in the kernel cache
+    record: dict[str, Any]
+
+    def describe(self) -> str:
+        objects = self.record["objects"]
+        compiled = sum(1 for o in objects if o["compiled_now"])
+        return (
+            f"{self.module} ({self.record['bytes'] / 2**20:.1f} MiB): {len(objects)} of "
+            f"{self.record['module_sources']} objects of FlashInfer's {self.record['module']} "
+            f"({compiled} compiled now, {self.record['wall_s']:.0f} s), "
+            f"{len(self.record['missing_symbols'])} symbols of other paths left undefined; "
+            f"{len(self.record['deepgemm_kernels'])} DeepGEMM kernels for "
+            f"{len(self.record['deepgemm_shapes'])} MoE shapes"
+        )
+
+
+def _interpreter_environment(environ: Mapping[str, str], build: Path) -> dict[str, str]:
+    env = dict(environ)
+    env.setdefault("FLASHINFER_CUDA_ARCH_LIST", ARCH_LIST)
+    # FlashInfer makes its default workspace at import and logs into it: keep both in the build.
+    env["FLASHINFER_WORKSPACE_BASE"] = str(build / "workspace")
+    return env
+
+
+def _run_driver(python: str, env: Mapping[str, str], request: dict[str, Any]) -> dict[str, Any]:
+    source = str(Path(__file__).resolve().parents[2])
+    done = subprocess.run(
+        [python, "-c", _DRIVER, json.dumps(request), source],
+        capture_output=True,
+        text=True,
+        env=dict(env),
+        check=False,
+    )
+    for line in done.stdout.splitlines():
+        if line.startswith("GLM5-AOT "):
+            return dict(json.loads(line.removeprefix("GLM5-AOT ")))
+    tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+    raise UserError(f"{python}: FlashInfer's generator failed: {tail}")
+
+
+def _ninja_edges(ninja_file: Path) -> dict[str, tuple[str, str]]:
+    """{output: (rule, input)} of the build edges of a FlashInfer build.ninja."""
+    edges = {}
+    for line in ninja_file.read_text().splitlines():
+        match = re.match(r"build (\S+): (\w+) (.+)$", line)
+        if match:
+            edges[match.group(1)] = (match.group(2), match.group(3))
+    return edges
+
+
+def _ninja_log(folder: Path) -> dict[str, float]:
+    """{output: seconds} from ninja's .ninja_log (the last record of each output)."""
+    seconds = {}
+    try:
+        lines = (folder / ".ninja_log").read_text().splitlines()
+    except OSError:
+        return {}
+    for line in lines[1:]:
+        fields = line.split("\t")
+        if len(fields) >= 4:
+            seconds[fields[3]] = (int(fields[1]) - int(fields[0])) / 1000
+    return seconds
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _tool(name: str, env: Mapping[str, str]) -> str:
+    found = shutil.which(name, path=env.get("PATH"))
+    if found is None:
+        raise UserError(f"{name} not found on PATH (FlashInfer's build runs it)")
+    return found
+
+
+def _run(command: Sequence[str], env: Mapping[str, str], niceness: int) -> None:
+    """A build step, its output passed through; niceness: `nice -n` for the compile."""
+    prefix = ["nice", "-n", str(niceness)] if niceness else []
+    done = subprocess.run([*prefix, *command], env=dict(env), check=False)
+    if done.returncode != 0:
+        raise UserError(f"{' '.join(command[:3])} ... failed with status {done.returncode}")
+
+
+def _cuda_home(env: Mapping[str, str]) -> Path:
+    home = env.get("CUDA_HOME") or env.get("CUDA_PATH")
+    if home:
+        return Path(home)
+    nvcc = shutil.which("nvcc", path=env.get("PATH"))
+    return Path(nvcc).resolve().parents[1] if nvcc else Path("/usr/local/cuda")
+
+
+def undefined_driver_symbols(objects: Sequence[Path]) -> list[str]:
+    """The CUDA driver functions (cu*) the objects call."""
+    done = subprocess.run(
+        ["nm", "--undefined-only", "--format=just-symbols", *map(str, objects)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return sorted({s for s in done.stdout.split() if re.fullmatch(r"cu[A-Z]\w*", s)})
+
+
+STUB_NOTE = (
+    "linked against a generated libcuda.so stub (SONAME libcuda.so.1, every cu* function the "
+    "objects call, returning CUDA_ERROR_NO_DEVICE): the toolkit here has no lib64/stubs; at run "
+    "time the .so loads the machine's driver"
+)
+
+
+def link_libraries(
+    cuda_home: Path, python_lib: Path | None, objects: Sequence[Path], folder: Path
+) -> tuple[list[str], list[str]]:
+    """What the link rule's -lcuda and -lnvrtc need on a machine whose toolkit lacks them
+    (-L flags for FLASHINFER_EXTRA_LDFLAGS, and notes for the record): libnvrtc from the
+    interpreter's nvidia packages, and a link-time libcuda stub when the toolkit has none."""
+    flags: list[str] = []
+    notes: list[str] = []
+    lib64 = cuda_home / "lib64"
+    need_nvrtc = not (lib64 / "libnvrtc.so").exists()
+    need_cuda = not (lib64 / "stubs" / "libcuda.so").exists()
+    if not (need_nvrtc or need_cuda):
+        return flags, notes
+    folder.mkdir(parents=True, exist_ok=True)
+    if need_nvrtc:
+        found = sorted((python_lib or folder).glob("nvidia/*/lib/libnvrtc.so.*[0-9]"))
+        found = [f for f in found if "builtins" not in f.name and "alt" not in f.name]
+        if not found:
+            raise UserError(f"libnvrtc.so: not in {lib64} nor in the interpreter's nvidia packages")
+        link = folder / "libnvrtc.so"
+        link.unlink(missing_ok=True)
+        link.symlink_to(found[0])
+        notes.append(f"-lnvrtc: {found[0]} (the interpreter's nvidia package)")
+    if need_cuda:
+        source = folder / "libcuda_stub.c"
+        symbols = undefined_driver_symbols(objects)
+        source.write_text(
+            "/* Link-time stub of the CUDA driver (generated by glm5-matrix). */\n"
+            + "".join(f"int {s}(void) {{ return 100; }}\n" for s in symbols)
+        )
+        subprocess.run(
+            [
+                "gcc",
+                "-shared",
+                "-fPIC",
+                "-Wl,-soname,libcuda.so.1",
+                "-o",
+                str(folder / "libcuda.so"),
+                str(source),
+            ],
+            check=True,
+        )
+        one = folder / "libcuda.so.1"
+        one.unlink(missing_ok=True)
+        one.symlink_to("libcuda.so")
+        notes.append(f"{STUB_NOTE} ({len(symbols)} functions)")
+    flags.append(f"-L{folder}")
+    return flags, notes
+
+
+# Headers FlashInfer's sources include from the CUDA toolkit beyond the runtime's.
+TOOLKIT_HEADERS = ("cublasLt.h", "cublas_v2.h", "nvrtc.h")
+
+
+def toolkit_headers(cuda_home: Path, python_lib: Path | None) -> tuple[list[str], list[str]]:
+    """-isystem flags for the headers a toolkit assembled from NVIDIA's pip wheels lacks
+    (cuBLAS, NVRTC), from the interpreter's nvidia packages; searched after the toolkit's own."""
+    absent = [h for h in TOOLKIT_HEADERS if not (cuda_home / "include" / h).exists()]
+    if not absent:
+        return [], []
+    folders = sorted(python_lib.glob("nvidia/*/include")) if python_lib else []
+    chosen = [f for f in folders if any((f / h).exists() for h in absent)]
+    still = [h for h in absent if not any((f / h).exists() for f in chosen)]
+    if still:
+        raise UserError(
+            f"{cuda_home}/include lacks {', '.join(still)}, and the interpreter's nvidia "
+            "packages too: install the CUDA toolkit's headers"
+        )
+    return [f"-isystem {f}" for f in chosen], [
+        f"{', '.join(absent)}: from {', '.join(map(str, chosen))} (not in {cuda_home}/include)"
+    ]
+
+
+_CLASSIFY = re.compile(r"undefined symbol: (\S+)")
+
+
+def missing_symbols(
+    library: Path, env: Mapping[str, str], extra_paths: Sequence[Path]
+) -> list[str]:
+    """The symbols `library` leaves undefined once its needed libraries are loaded (`ldd -r`),
+    TVM FFI's aside (the tvm_ffi package loads them globally before any module)."""
+    paths = [str(p) for p in extra_paths] + [env.get("LD_LIBRARY_PATH", "")]
+    done = subprocess.run(
+        ["ldd", "-r", str(library)],
+        capture_output=True,
+        text=True,
+        env={**env, "LD_LIBRARY_PATH": os.pathsep.join(p for p in paths if p)},
+        check=False,
+    )
+    found = sorted(set(_CLASSIFY.findall(done.stdout + done.stderr)))
+    if "not found" in done.stdout:
+        lost = [ln.strip() for ln in done.stdout.splitlines() if "not found" in ln]
+        raise UserError(f"{library}: needed libraries not found: {'; '.join(lost)}")
+    return [s for s in found if not s.startswith(("TVMFFI", "_ZN3tvm3ffi"))]
+
+
+def demangle(symbols: Sequence[str]) -> list[str]:
+    if not symbols:
+        return []
+    done = subprocess.run(
+        ["c++filt"], input="\n".join(symbols), capture_output=True, text=True, check=True
+    )
+    return done.stdout.splitlines()
+
+
+# The block-scale path's own types: a missing symbol naming the bf16 x fp8 MoE GEMM runner or
+# the block-scale GEMM runner would be called by it, and refuses the build.
+_PATH_OWN = re.compile(
+    r"MoeGemmRunner<__nv_bfloat16, __nv_fp8_e4m3|CutlassFp8BlockScaleGemmRunner|"
+    r"CutlassMoeFCRunner<__nv_bfloat16, __nv_fp8_e4m3|deep_gemm"
+)
+
+
+def path_symbols(demangled: Sequence[str]) -> list[str]:
+    """The missing symbols that belong to the fp8 block-scale path (bf16 activations, fp8
+    weights): there must be none."""
+    return [name for name in demangled if _PATH_OWN.search(name)]
+
+
+# --- proof that a runner's start builds nothing ----------------------------------------------
+
+
+def _check_driver(request: dict[str, Any]) -> dict[str, Any]:
+    """Run in the cell's interpreter with the provider on sys.path: FlashInfer's own entry of the
+    CUTLASS MoE (get_cutlass_fused_moe_module, what vLLM's FLASHINFER_CUTLASS experts call) must
+    load the AOT module without building (any ninja run raises here), then the runner of
+    `request["dtypes"]` is made through the module's `init`."""
+    import torch
+    from flashinfer.jit import cpp_ext
+    from flashinfer.jit import env as jit_env
+
+    def no_build(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(f"FlashInfer went to build {args[1] if len(args) > 1 else args}")
+
+    cpp_ext.run_ninja = no_build
+    import flashinfer.jit.core as jit_core
+
+    jit_core.run_ninja = no_build
+    artifacts = [
+        {"provider": a.provider_id, "path": str(a.path)}
+        for a in jit_env.get_aot_artifacts(request["module"])
+    ]
+    from flashinfer.fused_moe.core import get_cutlass_fused_moe_module
+
+    result: dict[str, Any] = {"artifacts": artifacts}
+    module = get_cutlass_fused_moe_module("90")
+    with open("/proc/self/maps") as maps:
+        result["mapped"] = sorted(
+            {line.split(None, 5)[5].strip() for line in maps if f"{request['module']}.so" in line}
+        )
+    result["jit_folder"] = str(jit_env.FLASHINFER_JIT_DIR / request["module"])
+    result["jit_folder_exists"] = (jit_env.FLASHINFER_JIT_DIR / request["module"]).exists()
+    activation, weight, output = (getattr(torch, name) for name in request["dtypes"])
+    print("GLM5-AOT-LOADED " + json.dumps(result), flush=True)
+    try:
+        module.init(
+            activation, weight, output, request["block_scale"], False, False, False, False, False
+        )
+        result["init"] = "made"
+    except Exception as exc:  # no GPU here: the runner's first CUDA call fails
+        result["init"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    return result
+
+
+def _check_main() -> None:
+    request = json.loads(sys.argv[1])
+    print("GLM5-AOT-CHECK " + json.dumps(_check_driver(request)), flush=True)
+
+
+_CHECK = (
+    "import sys; sys.path.insert(0, sys.argv[2]); "
+    "from glm5_matrix.kernels.flashinfer_aot import _check_main; _check_main()"
+)
+
+# The runner the profile's MoE path makes (bf16 activations, fp8_e4m3 weights, DeepSeek block
+# scales) and one the module leaves out (fp16), made through the module's `init`.
+CHECKED_PATHS = {
+    "fp8-block-scale": (("bfloat16", "float8_e4m3fn", "bfloat16"), True),
+    "fp16": (("float16", "float16", "float16"), False),
+}
+
+
+@dataclasses.dataclass
+class Checked:
+    path: str
+    returncode: int
+    result: dict[str, Any] | None
+    loaded: dict[str, Any] | None
+    error: str  # the last lines of stderr
+
+    def symbol_error(self) -> str | None:
+        match = re.search(r"symbol lookup error: .*", self.error)
+        return match.group(0) if match else None
+
+
+def check_module(
+    kernels: KernelCache, python: str, environ: Mapping[str, str] | None = None
+) -> tuple[list[Checked], dict[str, list[str]], list[str]]:
+    """The proof on a machine without a GPU (module doc): in a fresh process per path of
+    CHECKED_PATHS, with the provider the runner writes on its PYTHONPATH and nothing FlashInfer
+    could build with (no ninja on PATH, and a build attempt raises), FlashInfer's entry loads the
+    key folder's module; the block-scale runner is made up to its first CUDA call, the fp16
+    runner ends the process naming the undefined symbol. FlashInfer's folders are the key
+    folder's, as in a cell: returns the checks, what they wrote into the kernel cache
+    (kernel_cache.written: nothing, on a key folder that holds what a runner imports) and how
+    the module was made loadable here."""
+    environ = dict(os.environ if environ is None else environ)
+    module = library_folder(kernels) / MODULE / f"{MODULE}.so"
+    if not module.is_file():
+        raise UserError(f"{module}: no AOT build of {MODULE} in the kernel cache (build-moe)")
+    site = kernels.directory / BUILD_FOLDER / "check-site"
+    shutil.rmtree(site, ignore_errors=True)
+    write_provider(kernels, site)
+    python_lib = _site_packages(python, environ)
+    # A machine without a GPU has no libcuda.so.1 for the module's loader: the link-time stub.
+    _, notes = link_libraries(
+        _cuda_home(environ), python_lib, [module], kernels.directory / BUILD_FOLDER / "check-link"
+    )
+    libraries = [kernels.directory / BUILD_FOLDER / "check-link", *_nvidia_lib_dirs(python_lib)]
+    path_without_ninja = os.pathsep.join(
+        p for p in environ.get("PATH", "").split(os.pathsep) if not (Path(p) / "ninja").exists()
+    )
+    env = {
+        **environ,
+        **kernels.environment(),
+        "PATH": path_without_ninja,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(site), environ.get("PYTHONPATH")])),
+        "LD_LIBRARY_PATH": os.pathsep.join(
+            filter(None, [*map(str, libraries), environ.get("LD_LIBRARY_PATH")])
+        ),
+        "FLASHINFER_CUDA_ARCH_LIST": environ.get("FLASHINFER_CUDA_ARCH_LIST", ARCH_LIST),
+    }
+    source = str(Path(__file__).resolve().parents[2])
+    checked = []
+    before = kernel_cache.snapshot(env)
+    for name, (dtypes, block_scale) in CHECKED_PATHS.items():
+        request = {"module": MODULE, "dtypes": dtypes, "block_scale": block_scale}
+        done = subprocess.run(
+            [python, "-c", _CHECK, json.dumps(request), source],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=False,
+        )
+        found: dict[str, dict[str, Any] | None] = {
+            "GLM5-AOT-CHECK ": None,
+            "GLM5-AOT-LOADED ": None,
+        }
+        for line in done.stdout.splitlines():
+            for prefix in found:
+                if line.startswith(prefix):
+                    found[prefix] = json.loads(line.removeprefix(prefix))
+        tail = "\n".join(done.stderr.strip().splitlines()[-5:])
+        checked.append(
+            Checked(
+                name, done.returncode, found["GLM5-AOT-CHECK "], found["GLM5-AOT-LOADED "], tail
+            )
+        )
+    return checked, kernel_cache.written(before, kernel_cache.snapshot(env)), notes
+
+
+# --- TensorRT-LLM's DeepGEMM kernels, compiled the way fused_moe_90 compiles them ---------------
+
+# fused_moe_90's fp8 block-scale grouped GEMMs are DeepGEMM kernels that the module compiles at
+# first use of each configuration (deep_gemm/compiler.cuh, Compiler::build): it generates a
+# kernel.cu (generateKernel), runs nvcc on it with DEEPGEMM_NVCC_FLAGS and the include folder
+# FlashInfer passes (csrc/nv_internal/tensorrt_llm, fused_moe/core.py), and renames the cubin to
+# $TRTLLM_DG_CACHE_DIR/cache/<name>/nvcc_kernel.cubin, where the next process finds it by name.
+# Which configuration a GEMM takes is FlashInfer's get_best_gemm_config of (tokens, N, K,
+# experts, SMs) as grouped_gemm_dispatch (fp8_blockscale_gemm_kernel.cuh) calls it; the program
+# below calls those functions of FlashInfer's headers for every token count up to M_MAX.
+DEEPGEMM_NVCC_FLAGS = (
+    "-std=c++17",
+    "--gpu-architecture=sm_90a",
+    "--ptxas-options=-allow-expensive-optimizations=true",
+    "--ptxas-options=--register-usage-level=10",
+    "--diag-suppress=161,174,177,940",
+    "-D__FORCE_INCLUDE_CUDA_FP16_HPP_FROM_FP16_H__=1",
+    "-D__FORCE_INCLUDE_CUDA_BF16_HPP_FROM_BF16_H__=1",
+    "-O3",
+    "-cubin",
+    "--expt-relaxed-constexpr",
+    "--expt-extended-lambda",
+    "--compiler-options=-fPIC,-O3,-Wno-deprecated-declarations,-Wno-abi",
+)
+DEEPGEMM_CUBIN = "nvcc_kernel.cubin"
+# Every token count a MoE forward may have up to this (vLLM's batches and FlashInfer's
+# autotuner buckets stay below it; from 65 tokens on one configuration serves all).
+DEEPGEMM_M_MAX = 16384
+# SM counts of the GPUs whose configurations are compiled: H100 PCIe (114), H100 SXM and H200
+# (132). An H20 (78) runs another module (fused_moe_90_h20_prebuilt_d).
+DEEPGEMM_SMS = (114, 132)
+
+DEEPGEMM_PROGRAM = r"""// Written by glm5-matrix (glm5_matrix.kernels.flashinfer_aot): the TensorRT-LLM DeepGEMM
+// kernels FlashInfer's fused_moe_90 compiles at run time for fp8 block-scale MoE GEMMs of the
+// given shapes, with their sources, from FlashInfer's own functions.
+// Arguments: OUT_DIR M_MAX SMS[,SMS...] N:K:GROUPS [N:K:GROUPS...]
+#include "deep_gemm/compiler.cuh"
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+int main(int argc, char** argv) {
+  if (argc < 5) return 2;
+  std::filesystem::path out(argv[1]);
+  uint32_t m_max = std::strtoul(argv[2], nullptr, 10);
+  std::vector<int> sms_list;
+  std::stringstream sms_text(argv[3]);
+  for (std::string item; std::getline(sms_text, item, ',');) sms_list.push_back(std::stoi(item));
+  std::set<std::string> seen;
+  constexpr uint32_t block_k = 128;
+  auto const type = deep_gemm::GemmType::GroupedWithOffset;
+  for (int a = 4; a < argc; ++a) {
+    uint32_t n, k, groups;
+    if (std::sscanf(argv[a], "%u:%u:%u", &n, &k, &groups) != 3) return 2;
+    for (int sms : sms_list) {
+      uint32_t threshold = sms == 78 ? 64 : 32;  // grouped_gemm_dispatch
+      for (uint32_t m = 1; m <= m_max; ++m) {
+        bool swap = m < threshold;
+        auto [bm, bn, stages, multicast, smem] =
+            swap ? deep_gemm::jit::get_best_gemm_config(n, m, k, groups, sms, false, true)
+                 : deep_gemm::jit::get_best_gemm_config(m, n, k, groups, sms);
+        // Compiler::build's name as it writes it (num_groups and num_stages twice).
+        std::string name = std::string(swap ? "gemm_swapAB_" : "gemm_") + std::to_string(n) +
+                           "_" + std::to_string(k) + "_" + std::to_string(bm) + "_" +
+                           std::to_string(bn) + "_" + std::to_string(block_k) + "_" +
+                           std::to_string(groups) + "_" + std::to_string(stages) +
+                           std::to_string(groups) + "_" + std::to_string(stages) + "_" +
+                           std::to_string(multicast) + "_" +
+                           deep_gemm::jit::gemm_type_to_string(type);
+        if (!seen.insert(name).second) continue;
+        std::filesystem::create_directories(out / name);
+        std::ofstream(out / name / "kernel.cu")
+            << deep_gemm::jit::generateKernel(n, k, bm, bn, block_k, groups, stages, multicast,
+                                              type, swap);
+        std::printf("%s %u %u %u %d %u\n", name.c_str(), n, k, groups, sms, m);
+      }
+    }
+  }
+  return 0;
+}
+"""
+
+# What DEEPGEMM_PROGRAM copies from FlashInfer's sources: the build refuses when they changed.
+_DEEPGEMM_ANCHORS = {
+    "deep_gemm/compiler.cuh": (
+        'std::string(swapAB ? "gemm_swapAB_" : "gemm_")',
+        'std::to_string(num_groups) + "_" + std::to_string(num_stages) +\n'
+        '                       std::to_string(num_groups) + "_" + std::to_string(num_stages)',
+        "getCacheDir() / name",
+        "kKernelName",
+        *(f'"{flag}"' for flag in DEEPGEMM_NVCC_FLAGS if not flag.startswith("--compiler")),
+        '"-fPIC", "-O3", "-Wno-deprecated-declarations",\n                                           "-Wno-abi"',
+        'command = {getNvccCompiler(), tmpSrcPath.string(), "-o",',
+    ),
+    "deep_gemm/runtime.cuh": ('kJitUseNvcc ? "nvcc_kernel.cubin"',),
+    "kernels/cutlass_kernels/fp8_blockscale_gemm/fp8_blockscale_gemm_kernel.cuh": (
+        "num_device_sms == 78 ? 64 : 32",
+        "if (expected_m >= m_per_expert_threshold) {",
+        "get_best_gemm_config(expected_m, shape_n, shape_k, num_problems,",
+        "get_best_gemm_config(shape_n, expected_m, shape_k, num_problems,\n"
+        "                                             num_device_sms, false, true);",
+    ),
+}
+
+
+def check_deepgemm_sources(tensorrt_llm: Path) -> None:
+    """UserError when FlashInfer's DeepGEMM compiler no longer reads as DEEPGEMM_PROGRAM and
+    DEEPGEMM_NVCC_FLAGS copy it (then the cubins would be compiled for names it never asks)."""
+    for relative, anchors in _DEEPGEMM_ANCHORS.items():
+        text = (tensorrt_llm / relative).read_text()
+        for anchor in anchors:
+            if anchor not in text:
+                first = anchor.splitlines()[0]
+                raise UserError(
+                    f"{tensorrt_llm / relative}: no longer holds {first!r}: FlashInfer's DeepGEMM "
+                    "JIT changed; glm5_matrix.kernels.flashinfer_aot copies it and must follow"
+                )
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeShape:
+    """One fp8 block-scale MoE of a model at one TP size: its two grouped GEMMs per rank."""
+
+    hidden: int
+    intermediate: int
+    experts: int
+    tp: int
+
+    def gemms(self) -> list[tuple[int, int, int]]:
+        """(N, K, groups) of FC1 (gated: gate and up) and FC2, per rank (TP splits the
+        intermediate size; every rank holds every expert)."""
+        inter = self.intermediate // self.tp
+        return [(2 * inter, self.hidden, self.experts), (self.hidden, inter, self.experts)]
+
+
+def moe_shapes(config: Mapping[str, Any], tps: Sequence[int]) -> list[MoeShape]:
+    """The MoE shapes of a Hugging Face config (its text_config when it has one) at each TP."""
+    text = config.get("text_config", config)
+    try:
+        hidden, inter = int(text["hidden_size"]), int(text["moe_intermediate_size"])
+        experts = int(text.get("n_routed_experts") or text["num_experts"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UserError(f"the model config has no MoE sizes ({exc})") from None
+    for tp in tps:
+        if tp < 1 or inter % tp:
+            raise UserError(f"TP {tp} does not split the MoE intermediate size {inter}")
+    return [MoeShape(hidden, inter, experts, tp) for tp in tps]
+
+
+def _compile_deepgemm_program(
+    build: Path, csrc: Path, env: Mapping[str, str], cuda_home: Path, objects: Sequence[Path]
+) -> Path:
+    """DEEPGEMM_PROGRAM compiled against FlashInfer's headers, linked with the module's own
+    common objects (logger, exceptions, string and environment utilities)."""
+    source = build / "deepgemm" / "deepgemm_kernels.cu"
+    source.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(source, DEEPGEMM_PROGRAM)
+    program = source.with_suffix("")
+    nv = csrc / "nv_internal"
+    common = [
+        o
+        for o in objects
+        if o.name
+        in {f"common_{n}.o" for n in ("envUtils", "logger", "stringUtils", "tllmException")}
+    ]
+    includes = [f"-I{nv / 'tensorrt_llm'}", f"-I{nv}", f"-I{nv / 'include'}"]
+    extra = env.get("FLASHINFER_EXTRA_CUDAFLAGS", "").split()
+    links = env.get("FLASHINFER_EXTRA_LDFLAGS", "").split()
+    command = [
+        str(cuda_home / "bin" / "nvcc"),
+        "-std=c++17",
+        str(source),
+        *map(str, common),
+        *includes,
+        *extra,
+        "-o",
+        str(program),
+        f"-L{cuda_home / 'lib64'}",
+        f"-L{cuda_home / 'lib64' / 'stubs'}",
+        *links,
+        "-lnvrtc",
+        "-lcuda",
+        "-lcudart",
+    ]
+    _run(command, env, 10)
+    return program
+
+
+def build_deepgemm(
+    kernels: KernelCache,
+    build: Path,
+    shapes: Sequence[MoeShape],
+    *,
+    csrc: Path,
+    objects: Sequence[Path],
+    env: Mapping[str, str],
+    cuda_home: Path,
+    library_paths: Sequence[Path],
+    jobs: int,
+    niceness: int,
+) -> list[dict[str, Any]]:
+    """Compile the DeepGEMM kernels fused_moe_90 would compile for `shapes` into the kernel
+    cache's trtllm_deep_gemm library (skipping those it holds); one record per kernel."""
+    check_deepgemm_sources(csrc / "nv_internal" / "tensorrt_llm")
+    program = _compile_deepgemm_program(build, csrc, env, cuda_home, objects)
+    sources = build / "deepgemm" / "kernels"
+    shutil.rmtree(sources, ignore_errors=True)
+    arguments = [f"{n}:{k}:{g}" for shape in shapes for n, k, g in shape.gemms()]
+    paths = os.pathsep.join([*map(str, library_paths), env.get("LD_LIBRARY_PATH", "")])
+    listed = subprocess.run(
+        [
+            str(program),
+            str(sources),
+            str(DEEPGEMM_M_MAX),
+            ",".join(map(str, DEEPGEMM_SMS)),
+            *dict.fromkeys(arguments),
+        ],
+        capture_output=True,
+        text=True,
+        env={**env, "LD_LIBRARY_PATH": paths},
+        check=False,
+    )
+    if listed.returncode != 0:
+        raise UserError(f"{program}: failed ({listed.stderr.strip()[-300:]})")
+    cache = kernels.folder(kernel_cache.library("trtllm_deep_gemm")) / "cache"
+    include = csrc / "nv_internal" / "tensorrt_llm"
+    nvcc = str(cache_nvcc(env, cuda_home))
+    records: dict[str, dict[str, Any]] = {}
+    for line in listed.stdout.splitlines():
+        name, n, k, groups, sms, m = line.split()
+        if name in records:
+            continue
+        records[name] = {
+            "name": name,
+            "n": int(n),
+            "k": int(k),
+            "experts": int(groups),
+            "first_tokens": int(m),
+            "sms": int(sms),
+        }
+
+    def compile_one(record: dict[str, Any]) -> dict[str, Any]:
+        target = cache / record["name"] / DEEPGEMM_CUBIN
+        work = sources / record["name"]
+        if target.is_file():
+            return {**record, "compiled_now": False, "sha256": _sha256(target)}
+        started = time.monotonic()
+        _run(
+            [
+                nvcc,
+                str(work / "kernel.cu"),
+                "-o",
+                str(work / DEEPGEMM_CUBIN),
+                *DEEPGEMM_NVCC_FLAGS,
+                f"-I{include}",
+            ],
+            env,
+            niceness,
+        )
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = target.with_name(f".{DEEPGEMM_CUBIN}.{os.getpid()}.tmp")
+        shutil.copyfile(work / DEEPGEMM_CUBIN, staging)
+        os.replace(staging, target)
+        return {
+            **record,
+            "compiled_now": True,
+            "seconds": round(time.monotonic() - started, 1),
+            "sha256": _sha256(target),
+            "source_sha256": _sha256(work / "kernel.cu"),
+        }
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        return list(pool.map(compile_one, records.values()))
+
+
+def cache_nvcc(env: Mapping[str, str], cuda_home: Path) -> Path:
+    """The nvcc the DeepGEMM compiler runs: TRTLLM_DG_NVCC_COMPILER, else $CUDA_HOME/bin/nvcc."""
+    chosen = env.get("TRTLLM_DG_NVCC_COMPILER")
+    return Path(chosen) if chosen else cuda_home / "bin" / "nvcc"
+
+
+def build_module(
+    kernels: KernelCache,
+    python: str,
+    *,
+    shapes: Sequence[MoeShape] = (),
+    jobs: int,
+    niceness: int = 10,
+    environ: Mapping[str, str] | None = None,
+) -> Built:
+    """Compile FlashInfer's fused_moe_90 narrowed to FP8_BLOCK_SCALE_SOURCES with `python`'s
+    FlashInfer and put the .so and its build.json into the key folder (module doc), then the
+    DeepGEMM kernels the module compiles at run time for the MoE `shapes` into the
+    trtllm_deep_gemm library."""
+    environ = dict(os.environ if environ is None else environ)
+    start = time.monotonic()
+    build = kernels.directory / BUILD_FOLDER / f"{MODULE}-{VARIANT}"
+    build.mkdir(parents=True, exist_ok=True)
+    env = _interpreter_environment(environ, build)
+    cuda_home = _cuda_home(env)
+    env.setdefault("CUDA_HOME", str(cuda_home))
+    python_lib = _site_packages(python, env)
+    includes, notes = toolkit_headers(cuda_home, python_lib)
+    for variable in ("FLASHINFER_EXTRA_CFLAGS", "FLASHINFER_EXTRA_CUDAFLAGS"):
+        env[variable] = " ".join(filter(None, (env.get(variable, ""), *includes)))
+    request = {"build_dir": str(build), "module": MODULE, "sources": list(FP8_BLOCK_SCALE_SOURCES)}
+    # First the objects (ninja on their targets), then what the link needs, then the link.
+    generated = _run_driver(python, env, request)
+    ninja_file = Path(generated["ninja_file"])
+    edges = _ninja_edges(ninja_file)
+    objects = [Path(o) for o, (rule, _) in edges.items() if rule in ("compile", "cuda_compile")]
+    ninja = [_tool("ninja", env), "-C", str(ninja_file.parent), "-f", str(ninja_file)]
+    before = {o: o.stat().st_mtime_ns for o in objects if o.exists()}
+    _run([*ninja, "-j", str(jobs), *map(str, objects)], env, niceness)
+    flags, link_notes = link_libraries(cuda_home, python_lib, objects, build / "link")
+    notes += link_notes
+    if flags:
+        env["FLASHINFER_EXTRA_LDFLAGS"] = " ".join(flags)
+        _run_driver(python, env, request)  # the same build.ninja, the link's -L added
+    _run([*ninja, "-j", str(jobs)], env, niceness)
+    library = Path(generated["library"])
+    missing = missing_symbols(library, env, [build / "link", *_nvidia_lib_dirs(python_lib)])
+    named = demangle(missing)
+    own = path_symbols(named)
+    if own:
+        raise UserError(
+            f"{library}: the fp8 block-scale path's own symbols are undefined ({own[0]}, "
+            f"{len(own)} in all): FlashInfer's sources changed; the source list needs them"
+        )
+    seconds = _ninja_log(ninja_file.parent)
+    deepgemm = (
+        build_deepgemm(
+            kernels,
+            build,
+            shapes,
+            csrc=Path(generated["csrc"]),
+            objects=objects,
+            env=env,
+            cuda_home=cuda_home,
+            library_paths=[build / "link", cuda_home / "lib64", *_nvidia_lib_dirs(python_lib)],
+            jobs=jobs,
+            niceness=niceness,
+        )
+        if shapes
+        else []
+    )
+    record = {
+        "module": MODULE,
+        "variant": VARIANT,
+        "target": TARGET,
+        "flashinfer_version": generated["flashinfer_version"],
+        "key": kernels.key,
+        "module_sources": generated["module_sources"],
+        "generated_sources_left_out": generated["generated_sources"],
+        "objects": [
+            {
+                "object": obj.name,
+                "source": edges[str(obj)][1],
+                "rule": edges[str(obj)][0],
+                "seconds": seconds.get(str(obj)),
+                "bytes": obj.stat().st_size,
+                "sha256": _sha256(obj),
+                "compiled_now": before.get(obj) != obj.stat().st_mtime_ns,
+            }
+            for obj in objects
+        ],
+        "build_ninja": ninja_file.read_text(),
+        "toolchain_notes": notes,
+        "tools": _tool_versions(env, cuda_home),
+        "missing_symbols": named,
+        "deepgemm_shapes": [dataclasses.asdict(shape) for shape in shapes],
+        "deepgemm_kernels": deepgemm,
+        "wall_s": round(time.monotonic() - start, 1),
+    }
+    record["generated_sources"] = place_generated(kernels, generated)
+    target = library_folder(kernels) / MODULE
+    target.mkdir(parents=True, exist_ok=True)
+    staging = target / f".{MODULE}.so.{os.getpid()}.tmp"
+    shutil.copy2(library, staging)
+    os.replace(staging, target / f"{MODULE}.so")
+    record["bytes"] = (target / f"{MODULE}.so").stat().st_size
+    record["sha256"] = _sha256(target / f"{MODULE}.so")
+    write_json_atomic(target / BUILD_RECORD, record)
+    return Built(target / f"{MODULE}.so", record)
+
+
+def exported(record: Mapping[str, Any]) -> list[str]:
+    """What build-moe exports (archive names' prefixes): the AOT module, the DeepGEMM kernels
+    it compiled, and the generated sources FlashInfer looks for at load."""
+    kernels = [f"trtllm_deep_gemm/cache/{k['name']}/" for k in record.get("deepgemm_kernels", [])]
+    return [
+        f"flashinfer_aot/{record['module']}/",
+        *kernels,
+        f"{record['generated_sources']}/",
+    ]
+
+
+def place_generated(kernels: KernelCache, generated: Mapping[str, str]) -> str:
+    """FlashInfer writes the module's generated CUTLASS sources into its workspace at every load,
+    the AOT one too (gen_cutlass_fused_moe_sm90_module), keeping a file whose content is
+    unchanged: put them where a runner's FlashInfer will look (the key folder's flashinfer/),
+    so that its start writes none. Returns that folder, relative to the key folder."""
+    relative = Path("flashinfer") / generated["workspace"] / "generated" / "cutlass_instantiations"
+    source = Path(generated["generated"]) / "cutlass_instantiations"
+    target = kernels.directory / relative
+    for path in sorted(source.rglob("*")):
+        if path.is_file():
+            placed = target / path.relative_to(source)
+            if not placed.exists():
+                placed.parent.mkdir(parents=True, exist_ok=True)
+                staging = placed.with_name(f".{placed.name}.{os.getpid()}.tmp")
+                shutil.copy2(path, staging)
+                os.replace(staging, placed)
+    return str(relative)
+
+
+def _site_packages(python: str, env: Mapping[str, str]) -> Path | None:
+    done = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        capture_output=True,
+        text=True,
+        env=dict(env),
+        check=False,
+    )
+    return Path(done.stdout.strip()) if done.returncode == 0 and done.stdout.strip() else None
+
+
+def _nvidia_lib_dirs(python_lib: Path | None) -> list[Path]:
+    return sorted(python_lib.glob("nvidia/*/lib")) if python_lib else []
+
+
+def _tool_versions(env: Mapping[str, str], cuda_home: Path) -> dict[str, str]:
+    def first(command: list[str]) -> str:
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, env=dict(env))
+        except OSError as exc:
+            return str(exc)
+        lines = [ln for ln in (done.stdout or done.stderr).splitlines() if ln.strip()]
+        return lines[-1] if "nvcc" in command[0] else (lines[0] if lines else "")
+
+    return {
+        "nvcc": first([str(cuda_home / "bin" / "nvcc"), "--version"]),
+        "host_compiler": first([env.get("CC", "gcc"), "--version"]),
+        "ninja": first([_tool("ninja", env), "--version"]),
+    }

@@ -1,0 +1,209 @@
+"""glm5_matrix.kernels.flashinfer_aot without a GPU or FlashInfer: the provider package the
+runner writes (read the way FlashInfer's jit/env.py reads one), which modules a key folder
+lists, the MoE shapes of a model, the symbols a narrowed build may leave out, the toolkit
+headers a wheel-made CUDA lacks, and the refusal when FlashInfer's DeepGEMM JIT changed. The
+build itself and FlashInfer's load of its output are checked by `glm5-matrix kernel-cache
+check-moe` on a machine with the cell's interpreter (docs/flashinfer-moe.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from scaffold import KERNEL_KEY, run_cli
+
+from glm5_matrix.errors import UserError
+from glm5_matrix.kernels import flashinfer_aot, kernel_cache
+
+GLM_CONFIG = {
+    "text_config": {"hidden_size": 4096, "moe_intermediate_size": 2048, "n_routed_experts": 288}
+}
+# What FlashInfer 0.7.2.post1's _get_aot_providers reads of a provider (flashinfer/jit/env.py).
+READ = """
+import json, sys
+import flashinfer_jit_cache as shim
+(provider,) = shim.get_jit_cache_providers()
+print(json.dumps({
+    "version": shim.__version__,
+    "provider": [provider.provider_id, provider.distribution, provider.version],
+    "dir": str(provider.jit_cache_dir),
+    "archs": sorted(frozenset(provider.cuda_architectures)),
+    "modules": sorted(frozenset(provider.modules)),
+}))
+"""
+
+
+def _cache(tmp_path: Path) -> kernel_cache.KernelCache:
+    root = {kernel_cache.ROOT_VARIABLE: str(tmp_path / "kernels")}
+    return kernel_cache.prepare(kernel_cache.layout(KERNEL_KEY, root))
+
+
+def _module(kernels: kernel_cache.KernelCache, name: str = "fused_moe_90") -> Path:
+    folder = flashinfer_aot.library_folder(kernels) / name
+    folder.mkdir(parents=True)
+    (folder / f"{name}.so").write_bytes(b"\x7fELF")
+    (folder / "build.json").write_text(json.dumps({"variant": "fp8-block-scale"}))
+    return folder / f"{name}.so"
+
+
+def test_no_module_no_provider(tmp_path: Path) -> None:
+    kernels = _cache(tmp_path)
+    (flashinfer_aot.library_folder(kernels) / "fused_moe_90").mkdir()  # a folder, no .so
+    assert flashinfer_aot.modules(kernels) == {}
+    assert flashinfer_aot.write_provider(kernels, tmp_path / "site") is None
+    assert flashinfer_aot.activate(kernels, sys.executable, {}, tmp_path / "site") is None
+    assert not (tmp_path / "site").exists()
+
+
+def test_the_provider_lists_the_key_folders_modules_as_flashinfer_reads_it(tmp_path: Path) -> None:
+    kernels = _cache(tmp_path)
+    so = _module(kernels)
+    site = tmp_path / "site"
+    line = flashinfer_aot.activate(kernels, sys.executable, {}, site)
+    assert line is not None and "fused_moe_90 (fp8-block-scale)" in line
+    read = subprocess.run(
+        [sys.executable, "-c", READ],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(site)},
+        check=True,
+    )
+    found = json.loads(read.stdout)
+    assert found == {
+        # FlashInfer ignores a provider whose version is not its own.
+        "version": KERNEL_KEY["flashinfer-python"],
+        "provider": [flashinfer_aot.PROVIDER_ID, flashinfer_aot.PROVIDER_ID, "0.7.2.post1"],
+        "dir": str(so.parent.parent),  # <dir>/<module>/<module>.so, as FlashInfer looks it up
+        "archs": ["sm90a"],  # exact-arch SASS: loaded on SM90 only
+        "modules": ["fused_moe_90"],
+    }
+
+
+def test_an_interpreters_own_flashinfer_jit_cache_is_kept(tmp_path: Path) -> None:
+    kernels = _cache(tmp_path)
+    _module(kernels)
+    own = tmp_path / "own"
+    (own / flashinfer_aot.PROVIDER_PACKAGE).mkdir(parents=True)
+    (own / flashinfer_aot.PROVIDER_PACKAGE / "__init__.py").write_text("")
+    line = flashinfer_aot.activate(
+        kernels, sys.executable, {"PYTHONPATH": str(own)}, tmp_path / "s"
+    )
+    assert line is not None and "not listed" in line
+    assert not (tmp_path / "s").exists()
+
+
+def test_active_module_is_the_key_folders_build(tmp_path: Path) -> None:
+    kernels = _cache(tmp_path)
+    assert flashinfer_aot.active_module(environ=kernels.environment()) is None
+    so = _module(kernels)
+    assert flashinfer_aot.active_module(environ=kernels.environment()) == so
+    assert flashinfer_aot.active_module(environ={}) is None
+
+
+def test_moe_shapes_per_rank() -> None:
+    tp1, tp2, tp4 = flashinfer_aot.moe_shapes(GLM_CONFIG, [1, 2, 4])
+    # FC1 is gated (gate and up: 2 x intermediate), FC2 brings it back to the hidden size.
+    assert tp1.gemms() == [(4096, 4096, 288), (4096, 2048, 288)]
+    assert tp2.gemms() == [(2048, 4096, 288), (4096, 1024, 288)]
+    assert tp4.gemms() == [(1024, 4096, 288), (4096, 512, 288)]
+    with pytest.raises(UserError, match="TP 3 does not split"):
+        flashinfer_aot.moe_shapes(GLM_CONFIG, [3])
+    with pytest.raises(UserError, match="no MoE sizes"):
+        flashinfer_aot.moe_shapes({"hidden_size": 8}, [1])
+
+
+def test_only_other_paths_symbols_may_be_left_out() -> None:
+    other = [
+        "tensorrt_llm::kernels::cutlass_kernels::MoeGemmRunner<__half, __half, __half, void, "
+        "false, (tensorrt_llm::kernels::cutlass_kernels::Sm90Wfp4Afp8ScaleMode)0>::MoeGemmRunner()",
+        "void tensorrt_llm::kernels::cutlass_kernels_oss::tma_warp_specialized_generic_moe_gemm_"
+        "kernelLauncher<cutlass::arch::Sm90, float, float, float>(...)",
+    ]
+    assert flashinfer_aot.path_symbols(other) == []
+    own = (
+        "tensorrt_llm::kernels::cutlass_kernels::MoeGemmRunner<__nv_bfloat16, __nv_fp8_e4m3, "
+        "__nv_bfloat16, void, false, (Sm90Wfp4Afp8ScaleMode)0>::getConfigs() const"
+    )
+    block = (
+        "tensorrt_llm::kernels::fp8_blockscale_gemm::CutlassFp8BlockScaleGemmRunner<...>::moeGemm"
+    )
+    assert flashinfer_aot.path_symbols([*other, own, block]) == [own, block]
+
+
+def test_toolkit_headers_come_from_the_interpreters_nvidia_packages(tmp_path: Path) -> None:
+    cuda = tmp_path / "cuda"
+    (cuda / "include").mkdir(parents=True)
+    (cuda / "include" / "cuda_runtime.h").write_text("")
+    lib = tmp_path / "site"
+    nvidia = lib / "nvidia" / "cu13" / "include"
+    nvidia.mkdir(parents=True)
+    for header in flashinfer_aot.TOOLKIT_HEADERS:
+        (nvidia / header).write_text("")
+    flags, notes = flashinfer_aot.toolkit_headers(cuda, lib)
+    assert flags == [f"-isystem {nvidia}"] and "cublasLt.h" in notes[0]
+    for header in flashinfer_aot.TOOLKIT_HEADERS:  # a full toolkit: nothing added
+        (cuda / "include" / header).write_text("")
+    assert flashinfer_aot.toolkit_headers(cuda, lib) == ([], [])
+    (cuda / "include" / "nvrtc.h").unlink()
+    (nvidia / "nvrtc.h").unlink()
+    with pytest.raises(UserError, match=r"lacks nvrtc\.h"):
+        flashinfer_aot.toolkit_headers(cuda, lib)
+
+
+def test_ninja_edges_of_a_flashinfer_build_file(tmp_path: Path) -> None:
+    ninja = tmp_path / "build.ninja"
+    ninja.write_text(
+        "rule cuda_compile\n  command = nvcc\n\n"
+        "build /b/common_logger.o: compile /s/logger.cpp\n"
+        "build /b/x_binding.cuda.o: cuda_compile /s/binding.cu\n"
+        "  cuda_cflags = -O3\n"
+        "build /b/fused_moe_90.so: link /b/common_logger.o /b/x_binding.cuda.o\n"
+    )
+    edges = flashinfer_aot._ninja_edges(ninja)
+    assert edges["/b/common_logger.o"] == ("compile", "/s/logger.cpp")
+    assert edges["/b/x_binding.cuda.o"] == ("cuda_compile", "/s/binding.cu")
+    assert edges["/b/fused_moe_90.so"][0] == "link"
+
+
+def test_a_changed_deepgemm_compiler_refuses_the_build(tmp_path: Path) -> None:
+    """The DeepGEMM kernels are compiled under the names and flags FlashInfer's compiler.cuh
+    uses, copied in DEEPGEMM_PROGRAM and DEEPGEMM_NVCC_FLAGS: a FlashInfer whose compiler reads
+    otherwise refuses the build (the kernels would be found under no name it asks)."""
+    tree = tmp_path / "tensorrt_llm"
+    for relative, anchors in flashinfer_aot._DEEPGEMM_ANCHORS.items():
+        (tree / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tree / relative).write_text("\n".join(anchors))
+    flashinfer_aot.check_deepgemm_sources(tree)
+    compiler = tree / "deep_gemm" / "compiler.cuh"
+    compiler.write_text(compiler.read_text().replace('"-O3"', '"-O2"'))
+    with pytest.raises(UserError, match=r"compiler\.cuh: no longer holds '\"-O3\"'"):
+        flashinfer_aot.check_deepgemm_sources(tree)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "said"),
+    [
+        (["--jobs", "0"], "--jobs 0: must be at least 1"),
+        (["--export", "/nonexistent/x.tar.gz"], "/nonexistent: folder not found"),
+        (["--profile", "no-such-model"], "no-such-model"),
+        (["--tp", "3"], "TP 3 does not split the MoE intermediate size 2048"),
+    ],
+)
+def test_build_moe_refuses_bad_input_in_one_line_creating_nothing(
+    tmp_path: Path, arguments: list[str], said: str
+) -> None:
+    root = tmp_path / "kernels"
+    done = run_cli(
+        "kernel-cache",
+        "build-moe",
+        *arguments,
+        env={**os.environ, kernel_cache.ROOT_VARIABLE: str(root)},
+        timeout=120,
+    )
+    assert done.returncode == 2 and said in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert not root.exists()
