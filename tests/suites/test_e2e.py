@@ -20,9 +20,10 @@ from glm5_matrix.engines.client import (
     spec_classes,
     spec_names,
 )
-from glm5_matrix.engines.engine_configs import e2e_specs
+from glm5_matrix.engines.engine_configs import e2e_specs, moe_reference_spec
 from glm5_matrix.engines.prompts import with_other_tokens
 from glm5_matrix.engines.specs import engine_spec
+from glm5_matrix.kernels import flashinfer_aot
 from glm5_matrix.matrix.context import CellContext
 from glm5_matrix.matrix.profiles import Profile
 from glm5_matrix.results.recorder import record_figure
@@ -63,6 +64,56 @@ def _null_block_id() -> int:
     from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 
     return int(NULL_BLOCK_ID)
+
+
+def test_moe_backends_agree(
+    request: pytest.FixtureRequest, cell: CellContext, profile: Profile
+) -> None:
+    """The MoE backend axis judged across its values: the same prompt through an engine of the
+    profile's reference backend ([moe_agreement] reference), done reference_repeats times (its
+    own noise), and through this cell's engine; this cell's greedy tokens must be the
+    reference's at every step the reference wins by more than that noise (two backends compute
+    the same fp8 block-scale MoE with other kernels, so logprobs differ by rounding: recorded
+    per step as a distribution, not judged). The control, the reference steered off its own
+    choice at its first decisive step, must be rejected by its token with the profile's
+    min_power. Each engine reports the backend it runs (read from the model, not from what was
+    asked). First in the module: the reference's engine runs and stops before the module's
+    shared engine exists (two engines of this model do not fit one GPU), then this test starts
+    the shared engine (the `engine` fixture, which the tests after it use) for this cell's run,
+    all in this run."""
+    reference_spec = moe_reference_spec(cell, profile)
+    if reference_spec is None:
+        pytest.skip(
+            f"cell {cell.id} has no MoE backend axis, or runs the reference backend, or profile "
+            f"{profile.name} names none ([moe_agreement] reference)"
+        )
+    asked = cell.setting("moe_backend")
+    reference = profile.section("moe_agreement")["reference"]
+    selected = profile.section("moe_backends").get("selected", {})
+    prompts, tolerances = profile.section("prompts"), profile.section("tolerances")
+    max_tokens = int(prompts["max_tokens"])
+    with Engine(reference_spec) as other:
+        print(f"engine {other.spec.label} up in {other.start_seconds:.1f} s")
+        used = other.moe_backends()
+        wanted = selected.get(reference_spec.args["moe_backend"])
+        record_figure("moe_agree.reference_backend", sorted(used), limit=wanted, relation="==")
+        assert set(used) == {wanted}, f"the reference engine runs {sorted(used)}, not {wanted}"
+        block = block_size_of(other.kv_layout())
+        prompt = _prompt(profile, other, int(prompts["long_blocks"] * block))
+        expected, comparison = judging.reference_repeated(
+            other, prompt, max_tokens, "moe_agree", tolerances, names_prefix=reference
+        )
+        control = judging.runner_up_control(other, prompt, max_tokens, expected, comparison)
+    ours: Engine = request.getfixturevalue("engine")
+    used = ours.moe_backends()
+    wanted = selected.get(ours.spec.args["moe_backend"])
+    record_figure("moe_agree.backend", sorted(used), limit=wanted, relation="==")
+    assert set(used) == {wanted}, f"this cell's engine runs {sorted(used)}, not {wanted}"
+    assert ours.reset_prefix_cache()
+    run = ours.generate_scored(prompt, max_tokens, TOP_LOGPROBS)
+    print(f"\n{reference}   {expected.token_ids}\n{asked}   {run.token_ids}")
+    comparison.tokens_agree(expected, run, (reference, asked))
+    comparison.rejects_by_token(expected, control, (reference, f"{reference} off its own choice"))
 
 
 def test_kv_layout(
@@ -287,6 +338,24 @@ def test_moe_backend_is_the_one_asked(engine: Engine, cell: CellContext, profile
     record_figure("moe.backend", sorted(used), limit=wanted, relation="==")
     assert used, "no FP8 MoE layer found in the model"
     assert set(used) == {wanted}, f"asked {asked} (-> {wanted}), engine runs {sorted(used)}"
+    if wanted == "FLASHINFER_CUTLASS":
+        _check_flashinfer_module(engine)
+
+
+def _check_flashinfer_module(engine: Engine) -> None:
+    """Which build of FlashInfer's CUTLASS MoE module every rank runs, read from the process's
+    own mappings: where the kernel cache holds an AOT build (glm5_matrix.kernels.flashinfer_aot),
+    it is that file, not one FlashInfer built into its JIT folder."""
+    module = flashinfer_aot.MODULE
+    mapped = engine.mapped_files(f"{module}.so")
+    print(f"{module}: mapped per rank {mapped}")
+    record_figure("moe.flashinfer_module", mapped)
+    assert all(mapped), f"a rank maps no {module}.so: {mapped}"
+    aot = flashinfer_aot.active_module(module)
+    if aot is not None:
+        assert all(m == [str(aot)] for m in mapped), (
+            f"the kernel cache holds {aot}, but the ranks run {mapped}"
+        )
 
 
 def test_default_max_num_seqs(engine: Engine, profile: Profile, layout: dict[str, Any]) -> None:

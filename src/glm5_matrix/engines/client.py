@@ -39,6 +39,7 @@ from glm5_matrix.engines.startup_interrupts import reaching_the_caller
 from glm5_matrix.engines.workers import (
     worker_compilation_seconds,
     worker_kv_layout,
+    worker_mapped_files,
     worker_moe_backends,
     worker_page_digests,
     worker_read_pages,
@@ -286,6 +287,10 @@ class Engine:
 
     def moe_backends(self) -> dict[str, list[str]]:
         return self.rpc(worker_moe_backends)[0]
+
+    def mapped_files(self, needle: str) -> list[list[str]]:
+        """worker_mapped_files of every rank, in rank order."""
+        return self.rpc(worker_mapped_files, needle)
 
     def scheduler_limits(self) -> dict[str, Any]:
         return self.rpc(worker_scheduler_limits)[0]

@@ -96,6 +96,20 @@ def e2e_specs(cell: CellContext, profile: Profile) -> list[EngineSpec]:
     return specs
 
 
+def moe_reference_spec(cell: CellContext, profile: Profile) -> EngineSpec | None:
+    """test_e2e's shared engine with the profile's reference MoE backend ([moe_agreement]
+    reference, a value of the cell's moe_backend axis): what the cells of the axis's other values
+    are judged against (test_moe_backends_agree). None for a cell without the axis or of the
+    reference backend itself."""
+    asked = cell.setting("moe_backend")
+    reference = profile.section("moe_agreement").get("reference")
+    if asked is None or reference is None or asked == reference:
+        return None
+    other = dataclasses.replace(cell, settings={**cell.settings, "moe_backend": reference})
+    spec = engine_spec(other, profile, **prefill_chunk_args(other, profile))
+    return dataclasses.replace(spec, label=f"{spec.label}[moe_backend={reference}]")
+
+
 # --- offload --------------------------------------------------------------------------------------
 
 
@@ -293,7 +307,8 @@ def pd_warm_server(cell: CellContext, profile: Profile) -> ServerSpec:
 def for_cell(cell: CellContext, profile: Profile) -> list[Config]:
     """Every engine (or server) configuration the cell's suite starts, in its order."""
     if cell.suite == "e2e":
-        return list(e2e_specs(cell, profile))
+        reference = moe_reference_spec(cell, profile)  # test_moe_backends_agree, first
+        return [*([reference] if reference else []), *e2e_specs(cell, profile)]
     if cell.suite == "offload":
         return [offload_spec(cell, profile, offload_cpu_bytes(cell, profile))]
     if cell.suite == "dflash":

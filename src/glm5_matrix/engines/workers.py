@@ -418,6 +418,19 @@ def worker_moe_backends(worker: Any) -> dict[str, list[str]]:
     return backends
 
 
+def worker_mapped_files(worker: Any, needle: str) -> list[str]:
+    """The files mapped into this worker's process whose path holds `needle` (/proc/self/maps):
+    which build of a compiled module the process really runs (a FlashInfer module loaded from
+    the kernel cache's AOT folder, or built into its JIT folder)."""
+    found = set()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(None, 5)
+            if len(fields) == 6 and needle in fields[5]:
+                found.add(fields[5].strip())
+    return sorted(found)
+
+
 def worker_attention_backends(worker: Any) -> dict[str, str]:
     """{layer name: qualified class of its attention backend} for every KV layer (attention
     and Mamba alike), as the model runner resolved them."""

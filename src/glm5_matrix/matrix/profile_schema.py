@@ -105,6 +105,16 @@ PROFILE = table(
         # vLLM's engine arguments: vLLM itself refuses an unknown one at start
         "engine": open_table("vLLM's engine arguments", required=True),
         "moe_backends": open_table("per MoE backend: its engine arguments"),
+        "moe_agreement": table(
+            {
+                "reference": Spec(
+                    "str",
+                    "the MoE backend axis value the others are judged against",
+                    required=True,
+                )
+            },
+            "test_e2e's test_moe_backends_agree",
+        ),
         "prompts": table(
             {
                 "long_blocks": Spec(

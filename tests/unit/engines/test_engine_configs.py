@@ -109,6 +109,26 @@ def test_equal_configurations_of_two_cells_share_a_key_and_others_do_not() -> No
     assert len(keys) == 4 + 2 + 2 + 1
 
 
+def test_a_backend_is_judged_against_the_reference_backends_own_engine() -> None:
+    """test_moe_backends_agree: the flashinfer cell starts first the profile's reference
+    backend's engine, the very configuration of the deep_gemm cell's shared engine (so the warm
+    step and the kernel archive of that cell cover it); the reference cell starts no such
+    engine."""
+    profile = load_profile(GLM)
+    reference = engine_configs.for_cell(_cell("e2e-tp1(deep_gemm)"), profile)
+    flashinfer = engine_configs.for_cell(_cell("e2e-tp1(flashinfer)"), profile)
+    assert len(reference) == 2 and len(flashinfer) == 3
+    assert engine_configs.moe_reference_spec(_cell("e2e-tp1(deep_gemm)"), profile) is None
+    judged_against = flashinfer[0]
+    assert judged_against.args["moe_backend"] == "deep_gemm"
+    assert {s.args["moe_backend"] for s in flashinfer[1:]} == {"flashinfer_cutlass"}
+    assert config_key(judged_against, "k") == config_key(reference[0], "k")
+    assert judged_against.label.endswith("[moe_backend=deep_gemm]")
+    at_tp2 = engine_configs.moe_reference_spec(_cell("e2e-tp2(flashinfer)"), profile)
+    assert at_tp2 is not None and at_tp2.args["tensor_parallel_size"] == 2
+    assert engine_configs.moe_reference_spec(_cell("offload-tp1(simple)"), profile) is None
+
+
 def test_callables_in_arguments_compare_by_what_they_are() -> None:
     def taps(config: object, values: tuple[int, ...]) -> object:
         return config
