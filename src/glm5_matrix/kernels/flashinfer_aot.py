@@ -110,6 +110,39 @@ def active_module(module: str = MODULE, environ: Mapping[str, str] | None = None
     return path if path.is_file() else None
 
 
+_RESOLVE = (
+    "import json, sys; "
+    "from flashinfer.jit import env; "
+    "print(json.dumps([[a.provider_id, str(a.path)] for a in env.get_aot_artifacts(sys.argv[1])]))"
+)
+
+
+def refuse_unless_resolved(module: str = MODULE, python: str | None = None) -> Path | None:
+    """Where the active key folder holds an AOT build of `module`, an AssertionError unless
+    FlashInfer, asked the way it asks at load (get_aot_artifacts, in a fresh process of this
+    interpreter and environment), resolves `module` to it: a provider FlashInfer ignores (another
+    version, another GPU target) would send the engine's first start into building all of the
+    module (48 minutes for fused_moe_90 on 16 cores) before any guard could say so. Returns the
+    module's path, or None when the key folder holds none."""
+    path = active_module(module)
+    if path is None:
+        return None
+    done = subprocess.run(
+        [python or sys.executable, "-c", _RESOLVE, module],
+        capture_output=True,
+        text=True,
+        timeout=kernel_cache.PROBE_TIMEOUT_S,
+        check=False,
+    )
+    lines = done.stdout.strip().splitlines()
+    found = json.loads(lines[-1]) if done.returncode == 0 and lines else None
+    assert found == [[PROVIDER_ID, str(path)]], (
+        f"FlashInfer resolves {module} to {found} here, not to the kernel cache's {path}: it "
+        f"would build the module at the engine's start ({done.stderr.strip()[-300:]})"
+    )
+    return path
+
+
 def build_record(kernels: KernelCache, module: str = MODULE) -> dict[str, Any] | None:
     path = library_folder(kernels) / module / BUILD_RECORD
     try:
@@ -491,7 +524,7 @@ def missing_symbols(
     if "not found" in done.stdout:
         lost = [ln.strip() for ln in done.stdout.splitlines() if "not found" in ln]
         raise UserError(f"{library}: needed libraries not found: {'; '.join(lost)}")
-    return [s for s in found if not s.startswith(("TVMFFI", "_ZN3tvm3ffi"))]
+    return [s for s in found if not s.startswith("TVMFFI") and "3tvm3ffi" not in s]
 
 
 def demangle(symbols: Sequence[str]) -> list[str]:
@@ -523,7 +556,8 @@ def path_symbols(demangled: Sequence[str]) -> list[str]:
 def _check_driver(request: dict[str, Any]) -> dict[str, Any]:
     """Run in the cell's interpreter with the provider on sys.path: FlashInfer's own entry of the
     CUTLASS MoE (get_cutlass_fused_moe_module, what vLLM's FLASHINFER_CUTLASS experts call) must
-    load the AOT module without building (any ninja run raises here), then the runner of
+    load the AOT module without building (a ninja run raises here, before it could write), then
+    the runner of
     `request["dtypes"]` is made through the module's `init`."""
     import torch
     from flashinfer.jit import cpp_ext
@@ -548,13 +582,32 @@ def _check_driver(request: dict[str, Any]) -> dict[str, Any]:
         result["mapped"] = sorted(
             {line.split(None, 5)[5].strip() for line in maps if f"{request['module']}.so" in line}
         )
-    result["jit_folder"] = str(jit_env.FLASHINFER_JIT_DIR / request["module"])
-    result["jit_folder_exists"] = (jit_env.FLASHINFER_JIT_DIR / request["module"]).exists()
     activation, weight, output = (getattr(torch, name) for name in request["dtypes"])
     print("GLM5-AOT-LOADED " + json.dumps(result), flush=True)
-    try:
-        module.init(
-            activation, weight, output, request["block_scale"], False, False, False, False, False
+    from flashinfer.tllm_enums import ActivationType
+
+    try:  # FlashInfer's runner, as cutlass_fused_moe makes it (module.init underneath)
+        module.MoERunner(
+            x_dtype=activation,
+            weight_dtype=weight,
+            output_dtype=output,
+            top_k=8,
+            tp_size=1,
+            tp_rank=0,
+            ep_size=1,
+            ep_rank=0,
+            cluster_size=1,
+            cluster_rank=0,
+            enable_alltoall=False,
+            use_deepseek_fp8_block_scale=request["block_scale"],
+            use_w4_group_scaling=False,
+            use_mxfp8_act_scaling=False,
+            min_latency_mode=False,
+            enable_pdl=False,
+            activation_type=ActivationType.Swiglu,
+            use_packed_weights=False,
+            use_fused_finalize=False,
+            use_wfp4afp8_humming=False,
         )
         result["init"] = "made"
     except Exception as exc:  # no GPU here: the runner's first CUDA call fails

@@ -207,3 +207,37 @@ def test_build_moe_refuses_bad_input_in_one_line_creating_nothing(
     assert done.returncode == 2 and said in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
     assert not root.exists()
+
+
+def _flashinfer_resolving_to(site: Path, provider: str, path: str) -> None:
+    """A stand-in for FlashInfer's jit/env.py whose get_aot_artifacts answers one artifact."""
+    package = site / "flashinfer" / "jit"
+    package.mkdir(parents=True)
+    (site / "flashinfer" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "env.py").write_text(
+        "import collections, pathlib\n"
+        "A = collections.namedtuple('A', 'provider_id path cuda_architectures')\n"
+        f"def get_aot_artifacts(name):\n    return (A({provider!r}, pathlib.Path({path!r}), None),)\n"
+    )
+
+
+def test_a_start_is_refused_when_flashinfer_would_not_take_the_kernel_caches_module(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """refuse_unless_resolved asks FlashInfer (get_aot_artifacts, in a fresh process) where the
+    module comes from before an engine starts: elsewhere than the kernel cache is an
+    AssertionError naming both (a 48-minute build avoided), the kernel cache's is its path."""
+    kernels = _cache(tmp_path)
+    monkeypatch.setenv(kernel_cache.ACTIVE_VARIABLE, str(kernels.directory))
+    assert flashinfer_aot.refuse_unless_resolved() is None  # no module: nothing to ask
+    so = _module(kernels)
+    other = tmp_path / "other"
+    _flashinfer_resolving_to(other, "flashinfer-python", "/site/flashinfer/data/aot/x.so")
+    monkeypatch.setenv("PYTHONPATH", str(other))
+    with pytest.raises(AssertionError, match="not to the kernel cache's"):
+        flashinfer_aot.refuse_unless_resolved()
+    ours = tmp_path / "ours"
+    _flashinfer_resolving_to(ours, flashinfer_aot.PROVIDER_ID, str(so))
+    monkeypatch.setenv("PYTHONPATH", str(ours))
+    assert flashinfer_aot.refuse_unless_resolved() == so
