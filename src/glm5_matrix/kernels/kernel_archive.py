@@ -539,7 +539,7 @@ def _import(args: argparse.Namespace) -> int:
 
 
 def _build_moe(args: argparse.Namespace) -> int:
-    from glm5_matrix.kernels import flashinfer_aot
+    from glm5_matrix.kernels import flashinfer_aot, trtllm_deepgemm
 
     if args.jobs < 1:
         raise UserError(f"--jobs {args.jobs}: must be at least 1")
@@ -547,7 +547,7 @@ def _build_moe(args: argparse.Namespace) -> int:
         raise UserError(f"{Path(args.export).parent}: folder not found")
     from glm5_matrix.matrix.profiles import load_profile
 
-    shapes = flashinfer_aot.moe_shapes(load_profile(args.profile).config(), args.tp or [1, 2, 4])
+    shapes = trtllm_deepgemm.moe_shapes(load_profile(args.profile).config(), args.tp or [1, 2, 4])
     kernels = kernel_cache.for_interpreter(_interpreter(args), arch=args.gpu_arch)
     print(f"kernel cache {kernels.describe()}")
     built = flashinfer_aot.build_module(
