@@ -23,7 +23,7 @@ from pathlib import Path
 from glm5_matrix.envs import environments
 from glm5_matrix.errors import UserError
 from glm5_matrix.files import repo_root, write_json_atomic
-from glm5_matrix.kernels import kernel_archive, kernel_cache
+from glm5_matrix.kernels import gpu_models, kernel_archive, kernel_cache
 from glm5_matrix.machine import hardware, kill_domain, leases, supervision
 from glm5_matrix.matrix import context as cell_context
 from glm5_matrix.matrix.matrix import MATRIX_FILE, Matrix, Variant, load_matrix
@@ -188,6 +188,23 @@ def _run_variant(
         )
 
 
+def check_gpu_models(
+    session: NoxSession,
+    kernels: kernel_cache.KernelCache,
+    here: list[gpu_models.GpuModel],
+    cell: str,
+) -> None:
+    """Before the first engine start, with the kernel guard on: the cache must hold entries
+    warmed on the GPU models `here` (gpu_models.check): one line and an error when it records
+    others only, a warning when some of its entries' models are unknown."""
+    coverage = gpu_models.check(kernels, here, cell)
+    if coverage.error:
+        session.error(coverage.error)
+    if coverage.warning:
+        session.warn(coverage.warning)
+    session.log(f"kernel cache: GPU models {gpu_models.read(kernels).describe()}")
+
+
 def _install_only(
     session: NoxSession, variant: Variant, environ: dict[str, str], options: RunOptions
 ) -> None:
@@ -266,6 +283,9 @@ def _run_leased(
     guarded = kernel_cache.guard_enabled({**environ, **environment})
     if kernels is not None:
         session.log(f"kernel cache: {kernels.describe()} (guard {'on' if guarded else 'off'})")
+        if guarded and variant.cell.gpus:
+            probed = {**environ, **cell_environment, **lease.environment()}
+            check_gpu_models(session, kernels, gpu_models.probe(built.python, probed), variant.id)
 
     if lease.gpus or lease.cores:
         write_json_atomic(out / leases.RECORD_FILE, lease.record())
