@@ -170,7 +170,22 @@ def test_offload_round_trip(engine: Engine, profile: Profile, plan: LayoutPlan) 
     # cold prefill ended a chunk at the same boundary (checked on the chunks the worker
     # computed), along the cold run's path from there: judged by the cold runs' noise, at the
     # prefill's own output and over the whole run.
-    repeat_floor.agrees(repeats[0], warm, ("GPU repeat", "warm from CPU"))
+    # The warm path done again (the GPU cache reset, the blocks restored from the CPU each
+    # time): its own distribution, compared with the GPU repeats' and the cold runs'. A warm
+    # path with a heavier tail than its reference (a restore racing the compute would look like
+    # this) is a finding, shown, never a wider tolerance.
+    more_warm = []
+    for _ in range(judging.compared_runs(tolerances) - 1):
+        _reset_when_stored(engine, store_wait)
+        again = engine.generate_scored(prompt, max_tokens, TOP_LOGPROBS)
+        assert again.cached_tokens == hits, f"a warm run got {again.cached_tokens}, not {hits}"
+        more_warm.append(again)
+    engine.recorded_block_tables(clear=True)
+    # What the output comparisons add to the byte checks above: the pages are the stored bytes,
+    # but only the output shows the engine resuming from them as from its own (the right blocks
+    # in the table, the computed-token count, the kpool tail it rebuilds, the Mamba state it
+    # starts from); judged at the budget's share each (docs/verdicts.md).
+    repeat_floor.agrees(repeats[0], warm, ("GPU repeat", "warm from CPU"), path_runs=more_warm)
     for cold_run in cold_chunks:
         chunks.check_repeat_path(cold_run, warm_chunks, length, block)
     record_figure("offload.cold_chunks", [list(c) for c in cold_chunks[0]])
@@ -180,8 +195,13 @@ def test_offload_round_trip(engine: Engine, profile: Profile, plan: LayoutPlan) 
         [round(d, 6) for d in compare.step_deltas(cold, warm, len(cold.token_ids))],
         unit="nats",
     )
-    cold_prefill.agrees(judging.first_step(cold), judging.first_step(warm), ("cold", "warm"))
-    cold_floor.agrees(cold, warm, ("cold", "warm from CPU"))
+    cold_prefill.agrees(
+        judging.first_step(cold),
+        judging.first_step(warm),
+        ("cold", "warm"),
+        path_runs=[judging.first_step(r) for r in more_warm],
+    )
+    cold_floor.agrees(cold, warm, ("cold", "warm from CPU"), path_runs=more_warm)
     # What a restore of wrong or stale bytes amounts to: the prompt whose restored block holds
     # other tokens. The comparison must reject it with at least min_power.
     changed = round(float(tolerances["control_changed_blocks"]) * block)

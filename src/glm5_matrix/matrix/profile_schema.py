@@ -24,12 +24,18 @@ TOLERANCES: dict[str, Any] = {
     "min_power": "number",
     "control_changed_blocks": "number",
     "checkpoint_page_rel": "number",
+    # The false-red budget (glm5_matrix.verdicts.false_red.Budget, docs/verdicts.md).
+    "false_red_per_cell": "number",
+    "comparisons_per_cell": "int",
+    "compared_runs": "int",
 }
 TOLERANCES_REQUIRED = (
     "min_distinct_tokens",
     "min_median_margin_steps",
     "min_power",
     "reference_repeats",
+    "false_red_per_cell",
+    "comparisons_per_cell",
 )
 
 SCHEMA: dict[str, Any] = {

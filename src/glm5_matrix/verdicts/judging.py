@@ -117,7 +117,7 @@ class Comparison:
             for r, a in enumerate(self.runs)
         ]
 
-    def false_red(self, rule: str = AGREEMENT) -> false_red.Measurement | None:
+    def measure_false_red(self, rule: str = AGREEMENT) -> false_red.Measurement | None:
         """The rule's false-red rate on the reference runs (false_red.measure), measured and
         recorded once per rule; None where there are too few runs to hold one out."""
         if rule in self._measured:
@@ -204,7 +204,7 @@ class Comparison:
         measurement that proves the rule over its share fails the comparison (FalseRedBound)."""
         label = self._label(names)
         record_outputs(label, [run])
-        measured = self.false_red(AGREEMENT) if self._is_reference(reference) else None
+        measured = self.measure_false_red(AGREEMENT) if self._is_reference(reference) else None
         paths = self._paths(AGREEMENT, reference, path_runs, names)
         threshold = compare.agreement_threshold(reference, run)
         self._record_run(label, threshold)
@@ -306,7 +306,7 @@ class Comparison:
         label = self._label(names)
         record_outputs(label, [run])
         rule = TOKENS_ALONG_PATH if along_path else TOKENS
-        measured = self.false_red(rule) if self._is_reference(reference) else None
+        measured = self.measure_false_red(rule) if self._is_reference(reference) else None
         paths = self._paths(rule, reference, path_runs, names)
         try:
             found = compare.check_tokens_while_decisive(
