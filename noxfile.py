@@ -51,8 +51,9 @@ supervision.guard_nox_process(sys.argv)
 
 try:
     MATRIX: Matrix = runner.load()
-except UserError as exc:  # a malformed matrix or env file: one line, non-zero exit
-    sys.exit(f"glm5-matrix: error: {exc}")
+    hardware.check_override(os.environ)
+except UserError as exc:  # a malformed matrix, env file or variable: a line each, non-zero exit
+    sys.exit("\n".join(f"glm5-matrix: error: {line}" for line in str(exc).splitlines()))
 
 
 def _register(cell: Cell) -> None:
@@ -123,6 +124,16 @@ def bench(session: nox.Session) -> None:
 def report(session: nox.Session) -> None:
     """The matrix report from results/: report.md, report.html, junit.xml (-- --help)."""
     tools.run(session, ["report", *session.posargs])
+
+
+@nox.session(tags=["meta"])
+def docs(session: nox.Session) -> None:
+    """The docs site, docs/ built strictly into site/ (-- serve: read it while editing).
+
+    mkdocs --strict: a broken link or anchor, or a page missing from mkdocs.yml's nav, fails it;
+    `-- serve` serves it at http://127.0.0.1:8000."""
+    args = session.posargs or ["build", "--strict"]
+    tools.run_module(session, "mkdocs", args)
 
 
 @nox.session(tags=["meta"])

@@ -1,5 +1,5 @@
 """How far a run along another path moves the output, against the reference's own noise, step by
-step: the figures behind README's "The repeat's power", from the outputs.json a cell wrote.
+step: the figures behind docs/verdicts.md's "The repeat's power" (and the journal's), from the outputs.json a cell wrote.
 
     python benchmarks/repeat_paths.py results/e2e-tp1-deep_gemm/outputs.json [more ...]
     python benchmarks/repeat_paths.py FILE --reference repeat.cold --runs repeat.repeat repeat.stale_block

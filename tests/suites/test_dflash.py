@@ -82,7 +82,8 @@ def target_only(cell: CellContext, profile: Profile, prompt: list[int]) -> Targe
     """The target alone, reference_repeats times, and the control; its engine is stopped before the drafted one
     starts."""
     max_tokens = int(profile.section("prompts")["max_tokens"])
-    tolerances = dflash_table(profile)["tolerances"]
+    dflash_table(profile)  # the [dflash] table, or one line saying the profile has none
+    tolerances = profile.tolerances("dflash")
     with Engine(engine_spec(cell, profile)) as engine:
         output, comparison = judging.reference_repeated(
             engine, prompt, max_tokens, "dflash", tolerances, "target-only"
@@ -117,7 +118,7 @@ def drafted_run(drafted: Engine, profile: Profile, prompt: list[int]) -> Drafted
     after = drafted.counters()
     moved = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in SPEC_METRICS}
     more = []
-    for _ in range(judging.compared_runs(dflash_table(profile)["tolerances"]) - 1):
+    for _ in range(profile.tolerances("dflash").compared_runs - 1):
         assert drafted.reset_prefix_cache(), "reset_prefix_cache() refused"
         more.append(drafted.generate_scored(prompt, max_tokens, TOP_LOGPROBS))
     return DraftedRun(output, moved, tuple(more))

@@ -246,7 +246,7 @@ def test_greedy_tokens_equal_tp1(engine: Engine, cell: CellContext, profile: Pro
     tp = cell.tp or 1
     if tp == 1:
         pytest.skip("TP1 is the reference")
-    prompts, tolerances = profile.section("prompts"), profile.section("tolerances")
+    prompts, tolerances = profile.section("prompts"), profile.tolerances()
     block = block_size_of(engine.kv_layout())
     prompt = _prompt(profile, engine, int(prompts["long_blocks"] * block))
     max_tokens = int(prompts["max_tokens"])
@@ -349,7 +349,7 @@ def test_greedy_reproducible_across_block_boundary(
     profile's min_power (there the cached state acts before any decode step adds noise of its
     own); over the whole run its power is recorded. What the cache holds bit for bit, its
     pages, is test_prefill_checkpoint_pages's."""
-    prompts, tolerances = profile.section("prompts"), profile.section("tolerances")
+    prompts, tolerances = profile.section("prompts"), profile.tolerances()
     block = block_size_of(layout)
     length = int(prompts["long_blocks"] * block)
     assert length > block, f"prompt of {length} tokens does not cross a {block}-token block"
@@ -375,7 +375,7 @@ def test_greedy_reproducible_across_block_boundary(
     )
     # More repeats from the same cached state: the repeat path's own distribution, compared with
     # the cold runs' (a noisier repeat path is a finding, not a wider tolerance).
-    more = _more_runs(engine, prompt, max_tokens, judging.compared_runs(tolerances) - 1)
+    more = _more_runs(engine, prompt, max_tokens, tolerances.compared_runs - 1)
     assert all(r.cached_tokens == boundary for r in more), [r.cached_tokens for r in more]
     prefill.agrees(
         judging.first_step(cold),
@@ -404,7 +404,7 @@ def test_prefix_cache_tells_the_last_token_of_a_block(
     their noise (first step and whole run). The repeat's stale-block control changes a whole
     block, so a block hash that leaves out a block's last token passes it; this is the check
     that sees one (mutant block-hash-drops-last-token)."""
-    prompts, tolerances = profile.section("prompts"), profile.section("tolerances")
+    prompts, tolerances = profile.section("prompts"), profile.tolerances()
     block = block_size_of(layout)
     cached = _prompt(profile, engine, int(prompts["long_blocks"] * block))
     other = list(cached)
@@ -426,7 +426,7 @@ def test_prefix_cache_tells_the_last_token_of_a_block(
         f"served {served.cached_tokens} cached tokens of a prompt that differs from the cached "
         f"one at token {block - 1}: the cache did not tell the two prompts apart"
     )
-    more = [serve() for _ in range(judging.compared_runs(tolerances) - 1)]
+    more = [serve() for _ in range(tolerances.compared_runs - 1)]
     prefill.agrees(
         judging.first_step(runs[0]),
         judging.first_step(served),
@@ -453,7 +453,7 @@ def _stale_block(profile: Profile, engine: Engine, prompt: list[int], block: int
     """The prompt with its last tokens before the first block boundary drawn anew (the
     profile's control_changed_blocks, in blocks): the prompt whose cached first block a stale or
     wrong cache would serve."""
-    changed = round(float(profile.section("tolerances")["control_changed_blocks"]) * block)
+    changed = round(profile.tolerances().needed("control_changed_blocks") * block)
     assert 0 < changed <= block, f"control_changed_blocks gives {changed} of {block} tokens"
     seed = int(profile.section("prompts")["seed"]) + 1
     return with_other_tokens(prompt, block - changed, block, engine.vocab_size(), seed)
@@ -468,7 +468,7 @@ def test_prefill_checkpoint_pages(
     The last boundary below the prompt's end is the replay boundary, which vLLM keeps under
     every retention policy; earlier boundaries are retired under the default one."""
     expect, prompts = profile.section("expect"), profile.section("prompts")
-    tolerance = float(profile.section("tolerances")["checkpoint_page_rel"])
+    tolerance = profile.tolerances().needed("checkpoint_page_rel")
     block = block_size_of(layout)
     mamba = _groups_of(layout, expect["mamba_spec"])
     group_index = {id(g): layout["groups"].index(g) for g in mamba}
@@ -636,7 +636,7 @@ def test_mtp_matches_target_only(engine: Engine, cell: CellContext, profile: Pro
     mtp = profile.section("mtp")
     if not mtp:
         pytest.skip(f"profile {profile.name} has no MTP drafter")
-    prompts, tolerances = profile.section("prompts"), profile.section("tolerances")
+    prompts, tolerances = profile.section("prompts"), profile.tolerances()
     prompt = _prompt(profile, engine, 512)
     max_tokens = int(prompts["max_tokens"])
     target, comparison = judging.reference_repeated(
@@ -653,9 +653,7 @@ def test_mtp_matches_target_only(engine: Engine, cell: CellContext, profile: Pro
         )
         with_mtp = drafted.generate_scored(prompt, max_tokens, TOP_LOGPROBS)
         # MTP's own runs (each from an empty cache, as the first): compared with the target's.
-        more = _more_runs(
-            drafted, prompt, max_tokens, judging.compared_runs(tolerances) - 1, cold=True
-        )
+        more = _more_runs(drafted, prompt, max_tokens, tolerances.compared_runs - 1, cold=True)
     comparison.tokens_agree(
         target, with_mtp, ("target-only", "MTP"), along_path=True, path_runs=more
     )

@@ -75,7 +75,7 @@ def _pages(
 
 
 def test_offload_round_trip(engine: Engine, profile: Profile, plan: LayoutPlan) -> None:
-    prompts, tolerances = profile.section("prompts"), profile.section("tolerances")
+    prompts, tolerances = profile.section("prompts"), profile.tolerances()
     layout = engine.kv_layout()
     # Both connectors offload exactly vLLM's prefix-cacheable groups (KVCacheConfig.
     # prefix_cacheable_group_ids); the kpool tail ring must not be one of them.
@@ -121,7 +121,7 @@ def test_offload_round_trip(engine: Engine, profile: Profile, plan: LayoutPlan) 
     cold_tables = [history[-1] for history in engine.recorded_block_tables(clear=True).values()]
     repeats = [
         engine.generate_scored(prompt, max_tokens, TOP_LOGPROBS)
-        for _ in range(int(tolerances["reference_repeats"]))
+        for _ in range(tolerances.reference_repeats)
     ]
     assert all(r.cached_tokens for r in repeats), "the GPU repeats reused nothing"
     # The GPU pages of the cached blocks (the last cold run's, which the CPU store copied):
@@ -175,7 +175,7 @@ def test_offload_round_trip(engine: Engine, profile: Profile, plan: LayoutPlan) 
     # path with a heavier tail than its reference (a restore racing the compute would look like
     # this) is a finding, shown, never a wider tolerance.
     more_warm = []
-    for _ in range(judging.compared_runs(tolerances) - 1):
+    for _ in range(tolerances.compared_runs - 1):
         _reset_when_stored(engine, store_wait)
         again = engine.generate_scored(prompt, max_tokens, TOP_LOGPROBS)
         assert again.cached_tokens == hits, f"a warm run got {again.cached_tokens}, not {hits}"
@@ -204,7 +204,7 @@ def test_offload_round_trip(engine: Engine, profile: Profile, plan: LayoutPlan) 
     cold_floor.agrees(cold, warm, ("cold", "warm from CPU"), path_runs=more_warm)
     # What a restore of wrong or stale bytes amounts to: the prompt whose restored block holds
     # other tokens. The comparison must reject it with at least min_power.
-    changed = round(float(tolerances["control_changed_blocks"]) * block)
+    changed = round(tolerances.needed("control_changed_blocks") * block)
     stale_prompt = with_other_tokens(
         prompt, block - changed, block, engine.vocab_size(), int(prompts["seed"]) + 1
     )

@@ -29,6 +29,7 @@ from glm5_matrix.engines.engine_configs import SERVED_MODEL, pd_role_environment
 from glm5_matrix.engines.prompts import random_prompt, with_other_tokens
 from glm5_matrix.matrix.context import CellContext
 from glm5_matrix.matrix.profiles import Profile
+from glm5_matrix.matrix.tolerances import Tolerances
 from glm5_matrix.results.recorder import record_figure
 from glm5_matrix.verdicts import compare, judging, tp_split, transfers
 
@@ -276,7 +277,7 @@ def record(
             disagg.complete(
                 p.url, SERVED_MODEL, prompt, max_tokens, timeout=timeout, top_logprobs=TOP_LOGPROBS
             )
-            for _ in range(int(pd["tolerances"]["reference_repeats"]))
+            for _ in range(profile.tolerances("pd").reference_repeats)
         ]
         view = _page_view(cell, profile, p)
         column, mamba, p_alone = _p_alone_checkpoint(p, prompt, block_size, view)
@@ -299,7 +300,9 @@ def record(
             p.url, d.url, SERVED_MODEL, prompt, max_tokens, timeout, top_logprobs=TOP_LOGPROBS
         )
         after_second = _snapshot(p, d)
-        control_reference, control = _wrong_kv(pd, model, p, d, block_size, len(prompt))
+        control_reference, control = _wrong_kv(
+            pd, profile.tolerances("pd"), model, p, d, block_size, len(prompt)
+        )
         # N-1 mid-block (a prompt neither server saw): D's step for token N is not P alone's.
         unaligned_prompt = _prompt(
             model, round(float(pd["unaligned_prompt_blocks"]) * block_size), seed=4
@@ -384,6 +387,7 @@ def _connect(
 
 def _wrong_kv(
     pd: dict[str, Any],
+    tolerances: Tolerances,
     model: str,
     p: servers.VllmServer,
     d: servers.VllmServer,
@@ -396,7 +400,7 @@ def _wrong_kv(
     blocks amounts to; and P alone on the prompt D was asked for, its reference. Fresh prompts
     (seeds 2 and 3), so that no other check reads what this leaves in D's cache."""
     timeout, max_tokens = float(pd["request_timeout_s"]), int(pd["max_tokens"])
-    changed = round(float(pd["tolerances"]["control_changed_blocks"]) * block_size)
+    changed = round(tolerances.needed("control_changed_blocks") * block_size)
     asked = _prompt(model, length, seed=2)
     sent = with_other_tokens(asked, block_size - changed, block_size, _vocab_size(model), seed=3)
     reference = disagg.complete(
@@ -427,13 +431,13 @@ def _wrong_kv(
 def comparison(record: Record, profile: Profile) -> judging.Comparison:
     """P alone served [pd.tolerances] reference_repeats times: the noise (every pair) that says
     where the reference is decisive, and that a control must clear by min_power."""
-    return judging.repeated("pd", list(record.references), "P-only", _pd(profile)["tolerances"])
+    return judging.repeated("pd", list(record.references), "P-only", profile.tolerances("pd"))
 
 
 def test_output_varies(record: Record, profile: Profile) -> None:
     """Guards the equality checks below: a constant output would match anything."""
     tokens = record.references[0].token_ids
-    minimum = int(_pd(profile)["tolerances"]["min_distinct_tokens"])
+    minimum = profile.tolerances("pd").min_distinct_tokens
     assert len(set(tokens)) >= minimum, f"P-only output {tokens} has < {minimum} distinct tokens"
 
 
@@ -718,7 +722,7 @@ def test_prefiller_with_other_weights_is_refused(record: Record, profile: Profil
     # KV blocks ... retrieved by a decode worker") and D answers 200 with what it read. The copy
     # checks pass on such a read while nothing reused the blocks, as nothing does here. Recorded,
     # not judged: on vLLM's CPU build on a 2-core box D's reads came after P's lease in every run
-    # with P at TP2 and in some with P at TP1 and D at TP2 (README, "CPU tensor parallelism"), a
+    # with P at TP2 and in some with P at TP1 and D at TP2 (docs/cells.md, "P->D across TP sizes"), a
     # verdict that would come and go from run to run there. P counts them when it steps: one
     # request of its own (no KV handed over) makes it take in any still waiting.
     disagg.complete(record.prefill_server.url, SERVED_MODEL, record.prompt[:16], 1, timeout=timeout)
@@ -796,7 +800,7 @@ def partial_hit(record: Record, profile: Profile) -> PartialHit:
         disagg.complete(
             p.url, SERVED_MODEL, prompt, max_tokens, timeout=timeout, top_logprobs=TOP_LOGPROBS
         )
-        for _ in range(int(pd["tolerances"]["reference_repeats"]))
+        for _ in range(profile.tolerances("pd").reference_repeats)
     ]
     recorded = p.worker_rpc("glm5_recorded_block_tables", "true")[0]
     assert recorded, "P recorded no block table for the partial-hit references"
@@ -865,7 +869,6 @@ def test_partial_prefix_hit_on_decode_matches_single_server(
     from glm5_matrix.results.recorder import record_outputs
 
     hit = partial_hit
-    pd = _pd(profile)
     block = record.block_size
     params = hit.moved.prefill.kv_transfer_params
     assert params is not None
@@ -927,7 +930,7 @@ def test_partial_prefix_hit_on_decode_matches_single_server(
 
     # D's output is P alone's, bitwise; P alone is bitwise itself and varies.
     compare.assert_varies(
-        reference.token_ids, int(pd["tolerances"]["min_distinct_tokens"]), "P alone"
+        reference.token_ids, profile.tolerances("pd").min_distinct_tokens, "P alone"
     )
     for i, again in enumerate(hit.references[1:], start=2):
         compare.check_exact(reference, again, ("P alone #1", f"P alone #{i}"))

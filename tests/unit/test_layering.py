@@ -13,6 +13,7 @@ from scaffold import SRC
 # Bottom to top. A room may import its own modules and the rooms before it, never one after.
 ROOMS = (
     "errors",
+    "contracts",  # the one reader of the TOML data files' contracts (it reads through errors)
     "files",
     "cache",
     "matrix",
@@ -29,6 +30,7 @@ ROOMS = (
     "sessions",
     "upstream",  # nox -s upstream: the reproductions of vLLM defects (upstream/ at the root)
     "mutants",  # plants regressions in copies of the cells' environments and runs the cells
+    "docs",  # the docs site's tables rendered from the repository's data (mkdocs hook)
     "cli",  # the entry point: it finds its subcommands' modules by name
 )
 

@@ -135,7 +135,20 @@ def test_malformed_matrix_is_one_line(tmp_path):
     (tmp_path / "matrix.toml").write_text(text)
     result = nox("-l", root=tmp_path, GLM5_MATRIX_ROOT=str(tmp_path))
     assert result.returncode != 0
-    assert "matrix.toml: cells.e2e-tp2.gpus: expected int" in result.stderr
+    assert (
+        "glm5-matrix: error: "
+        f"{tmp_path / 'matrix.toml'}: cells.e2e-tp2.gpus: must be an integer, not a string ('two')"
+    ) in result.stderr.splitlines()
+
+
+def test_a_malformed_gpus_variable_is_one_line_before_any_session():
+    """GLM5_MATRIX_GPUS=abc was a traceback out of the plan session (issue 49)."""
+    result = nox(GLM5_MATRIX_GPUS="abc")
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines() == [
+        "glm5-matrix: error: GLM5_MATRIX_GPUS='abc': 'abc' is not a compute capability like 9.0"
+    ]
+    assert "Traceback" not in result.stdout + result.stderr
 
 
 def test_unreachable_torch_index_is_one_line_before_building(tmp_path):
@@ -248,7 +261,8 @@ def test_noxfile_needs_the_nox_the_readme_installs():
     )
     assert declared, "noxfile.py declares no nox.needs_version"
     readme = (repo_root() / "README.md").read_text()
-    installed = set(re.findall(r'pip install "nox(>=[0-9.]+)"', readme))
+    installed = set(re.findall(r'(?:pip install|uvx .*--from) "nox(>=[0-9.]+)"', readme))
+    assert installed, "the README installs no nox"
     assert installed == {declared.group(1)}, (installed, declared.group(1))
 
 
@@ -272,7 +286,11 @@ def test_a_profile_typo_is_one_line_before_anything_is_built(tmp_path, cell):
         GLM5_MATRIX_VLLM=str(tmp_path / "vllm-9.9.9.whl"),
     )
     assert result.returncode != 0
-    lines = [line for line in result.stderr.splitlines() if "unknown key 'prompt'" in line]
+    lines = [
+        line
+        for line in result.stderr.splitlines()
+        if "prompt: unknown key; did you mean 'prompts'?" in line
+    ]
     assert len(lines) == 1, result.stderr
     assert str(profile) in lines[0]
     assert "wheel file not found" not in result.stderr

@@ -23,13 +23,16 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from glm5_matrix import contracts
+from glm5_matrix.contracts import Spec
 from glm5_matrix.envs import torch_source
 from glm5_matrix.envs.torch_source import TorchPin, TorchSource
-from glm5_matrix.errors import UserError, load_toml
+from glm5_matrix.errors import UserError
 from glm5_matrix.files import write_atomic
 
 ENVS_DIR = "envs"
@@ -38,17 +41,6 @@ VLLM_VARIABLE = "GLM5_MATRIX_VLLM"
 PYTHON_VARIABLE = "GLM5_MATRIX_PYTHON"
 FINGERPRINT_FILE = ".glm5-matrix-env.json"
 DEFAULT_PYTHON = "3.11"
-_FIELDS = {
-    "description": str,
-    "python": str,
-    "vllm": str,
-    "requirements": list,
-    "excludes": list,
-    "find_links": list,
-    "index_urls": list,
-    "torch_index": dict,
-    "environment": dict,
-}
 _REQUIREMENT_NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
 
 
@@ -82,59 +74,76 @@ def requirement_name(requirement: str) -> str:
     return re.sub(r"[-_.]+", "-", match.group(1)).lower()
 
 
+def _requirement(text: str) -> str | None:
+    try:
+        requirement_name(text)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _torch_pinned(data: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
+    if "torch_index" in data and not _exact_torch(data.get("requirements", [])):
+        yield "torch_index", "needs an exact torch requirement (torch==VERSION)"
+
+
+_REQUIREMENT = Spec("str", nonempty=True, check=_requirement, check_says="a requirement")
+ENV = contracts.table(
+    {
+        "description": Spec("str", "what the environment is for", required=True),
+        "python": Spec(
+            "str", f"the interpreter version uv installs ({DEFAULT_PYTHON} where unset)"
+        ),
+        "vllm": Spec("str", "the vLLM under test, e.g. vllm==0.33.0", check=_requirement),
+        "requirements": contracts.strings("what else it installs", item=_REQUIREMENT),
+        "excludes": contracts.strings("requirements uv leaves out", item=_REQUIREMENT),
+        "find_links": contracts.strings("uv --find-links folders (those present)"),
+        "index_urls": contracts.strings("extra package indexes"),
+        "torch_index": contracts.table(
+            {
+                "url": Spec("str", "the index", required=True, nonempty=True),
+                "name": Spec("str", "its name for uv", required=True, nonempty=True),
+            },
+            "where the exact torch comes from (glm5_matrix.envs.torch_source)",
+        ),
+        "environment": contracts.entries(Spec("str"), "variables set in the environment"),
+    },
+    "envs/NAME.toml: a cell environment",
+    rules=(_torch_pinned,),
+    rules_say=("torch_index needs an exact torch requirement (torch==VERSION).",),
+)
+
+
+def _exact_torch(requirements: list[str]) -> list[str]:
+    return [r for r in requirements if requirement_name(r) == "torch" and "==" in r]
+
+
 def load_env(path: Path) -> EnvDefinition:
-    """Read one envs/NAME.toml; a defect is a UserError naming the file and the field."""
-    data = load_toml(path, "environment definition")
-    for key, value in data.items():
-        expected = _FIELDS.get(key)
-        if expected is None:
-            raise UserError(f"{path}: {key}: unknown field (known: {', '.join(_FIELDS)})")
-        if not isinstance(value, expected):
-            raise UserError(f"{path}: {key}: expected {expected.__name__}, got {value!r}")
-    if "description" not in data:
-        raise UserError(f"{path}: description: missing")
-    lists = {}
-    for key in ("requirements", "excludes", "find_links", "index_urls"):
-        values = data.get(key, [])
-        if not all(isinstance(v, str) and v.strip() for v in values):
-            raise UserError(f"{path}: {key}: expected a list of non-empty strings")
-        lists[key] = tuple(values)
-    for requirement in (*lists["requirements"], *lists["excludes"], data.get("vllm", "x")):
-        try:
-            requirement_name(requirement)
-        except ValueError as exc:
-            raise UserError(f"{path}: {exc}") from None
-    environment = data.get("environment", {})
-    for key, value in environment.items():
-        if not isinstance(value, str):
-            raise UserError(f"{path}: environment.{key}: values are strings, got {value!r}")
+    """Read one envs/NAME.toml (ENV); a defect is a UserError naming the file and the key."""
+    data = contracts.read(path, ENV, "environment definition")
+    lists = {
+        key: tuple(data.get(key, ()))
+        for key in ("requirements", "excludes", "find_links", "index_urls")
+    }
     return EnvDefinition(
         name=path.stem,
         path=path,
         description=data["description"],
         python=data.get("python"),
         vllm=data.get("vllm"),
-        torch=_torch_pin(path, data, lists["requirements"]),
-        environment=dict(environment),
+        torch=_torch_pin(path, data),
+        environment=dict(data.get("environment", {})),
         **lists,
     )
 
 
-def _torch_pin(path: Path, data: dict[str, Any], requirements: tuple[str, ...]) -> TorchPin | None:
+def _torch_pin(path: Path, data: dict[str, Any]) -> TorchPin | None:
     """[torch_index] url = ..., name = ...: where the definition's exact torch comes from."""
     table = data.get("torch_index")
     if table is None:
         return None
-    for key in ("url", "name"):
-        if not isinstance(table.get(key), str) or not table[key].strip():
-            raise UserError(f"{path}: torch_index.{key}: expected a non-empty string")
-    if set(table) - {"url", "name"}:
-        raise UserError(f"{path}: torch_index: known keys are url and name")
-    pinned = [r for r in requirements if requirement_name(r) == "torch" and "==" in r]
-    if not pinned:
-        raise UserError(f"{path}: torch_index needs an exact torch requirement (torch==VERSION)")
     return TorchPin(
-        requirement=pinned[0].replace(" ", ""),
+        requirement=_exact_torch(data["requirements"])[0].replace(" ", ""),
         python=data.get("python") or DEFAULT_PYTHON,
         index_url=table["url"].rstrip("/"),
         index_name=table["name"],

@@ -25,6 +25,7 @@ import ast
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -152,17 +153,29 @@ def from_variable(value: str) -> TorchSource:
 
 
 def pip_configuration(environ: Mapping[str, str]) -> dict[str, str]:
-    """`pip config list` as {"global.find-links": "/a /b", ...}; empty where pip is missing."""
-    try:
-        listed = subprocess.run(
-            [sys.executable, "-m", "pip", "config", "list"],
-            capture_output=True,
-            text=True,
-            env=dict(environ),
-            timeout=60,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
+    """`pip config list` as {"global.find-links": "/a /b", ...}; empty where pip is missing.
+    The running interpreter's pip first; where it has none (nox run by `uvx`, whose tool
+    environment holds no pip), the pip on PATH, which reads the same configuration files and
+    PIP_* variables."""
+    listed = None
+    path = environ.get("PATH")
+    commands = [[sys.executable, "-m", "pip"]] + [
+        [found] for name in ("pip3", "pip") if (found := shutil.which(name, path=path))
+    ]
+    for command in commands:
+        try:
+            listed = subprocess.run(
+                [*command, "config", "list"],
+                capture_output=True,
+                text=True,
+                env=dict(environ),
+                timeout=60,
+                check=True,
+            ).stdout
+            break
+        except (OSError, subprocess.SubprocessError):
+            continue
+    if listed is None:
         return {}
     config = {}
     for line in listed.splitlines():

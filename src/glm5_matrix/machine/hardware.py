@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,6 +59,13 @@ def parse_override(text: str) -> tuple[tuple[int, int], ...]:
         return tuple(parse_compute_capability(part) for part in text.split(","))
     except ValueError as exc:
         raise UserError(f"{GPUS_VARIABLE}={text!r}: {exc}") from None
+
+
+def check_override(environ: Mapping[str, str]) -> None:
+    """GLM5_MATRIX_GPUS, where set, read as detect() reads it: a UserError if it is malformed.
+    The noxfile asks when it loads, so that a bad value is one line before any session runs."""
+    if GPUS_VARIABLE in environ:
+        parse_override(environ[GPUS_VARIABLE])
 
 
 def detect(environ: dict[str, str] | None = None) -> Hardware:

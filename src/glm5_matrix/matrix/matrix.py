@@ -9,44 +9,171 @@ it (its timeout) and the vLLM source paths it guards (a change there should run 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from glm5_matrix.errors import UserError, load_toml
+from glm5_matrix import contracts
+from glm5_matrix.errors import UserError
 
 MATRIX_FILE = "matrix.toml"
 SUITES = ("e2e", "offload", "pd", "dflash", "noise", "layout", "metadata", "unit", "lint", "faults")
 # Suites whose cells start engines or servers (the others have nothing to warm).
 ENGINE_SUITES = ("e2e", "offload", "dflash", "pd", "noise")
-_NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
-_VALUE = re.compile(r"^[A-Za-z0-9_.-]+$")
+_NAME = r"[a-z0-9][a-z0-9-]*"
+_VALUE = r"[A-Za-z0-9_.-]+"
 # A vLLM source path, relative to the root of vLLM's repository: a file, or a folder ending in /.
 _GUARD = re.compile(r"^vllm/(?:[A-Za-z0-9_.-]+/)*[A-Za-z0-9_.-]*$")
 # A cell that gives no timeout gets this one (minutes): what a CI step is allowed.
 DEFAULT_TIMEOUT_MINUTES = 60
-_CELL_FIELDS = {
-    "description": str,
-    "suite": str,
-    "env": str,
-    "tests": list,
-    "commands": list,
-    "profile": str,
-    "gpus": int,
-    "cores": list,
-    "min_compute_capability": str,
-    "tp": int,
-    "settings": dict,
-    "environment": dict,
-    "axis": dict,
-    "timeout_minutes": int,
-    "guard_sets": list,
-    "guards": list,
-    "axis_guards": dict,
-    "runs": list,
-    "reads": list,
-}
-_AXIS_FIELDS = {"name": str, "values": list, "tag_prefix": str}
+
+
+def _guard_path(path: str) -> str | None:
+    if not _GUARD.match(path) or "/../" in f"/{path}" or "/./" in f"/{path}":
+        return (
+            f"{path!r} is not a vLLM source path (vllm/..., a file, or a folder ending in /; "
+            "no globs)"
+        )
+    return None
+
+
+def _inside_repository(pattern: str) -> str | None:
+    if pattern.startswith("/") or ".." in pattern.split("/") or "\\" in pattern:
+        return f"{pattern!r} is not a path inside this repository"
+    return None
+
+
+def _compute_capability(text: str) -> str | None:
+    try:
+        parse_compute_capability(text)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _guards(doc: str) -> contracts.Spec:
+    item = contracts.Spec(
+        "str", check=_guard_path, check_says="vllm/... (a file, or a folder ending in /)"
+    )
+    return contracts.Spec("list", doc, items=item, nonempty=True, unique=True)
+
+
+def _cell_rules(cell: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
+    """What one cell's keys ask of each other."""
+    if ("tests" in cell) == ("commands" in cell):
+        yield "", "give exactly one of tests or commands"
+    gpus = cell.get("gpus", 0)
+    if "min_compute_capability" in cell and not gpus:
+        yield "min_compute_capability", "set, but the cell needs no GPU"
+    tp = cell.get("tp")
+    if tp is not None and gpus and tp > gpus:
+        yield "tp", f"{tp} must be at most gpus ({gpus})"
+    axis = cell.get("axis")
+    values = axis["values"] if axis is not None else []
+    for value in cell.get("axis_guards", {}):
+        if value not in values:
+            known = ", ".join(values) if axis is not None else "the cell has no axis"
+            yield f"axis_guards.{value}", f"not an axis value ({known})"
+    by_axis = axis is not None and axis["name"] == "env"
+    if "env" in cell and by_axis:
+        yield "env", "set both as a field and as the axis"
+    elif "env" not in cell and not by_axis:
+        yield "env", "missing (or an axis named 'env')"
+
+
+AXIS = contracts.table(
+    {
+        "name": contracts.Spec("str", "the settings key the value is passed under", required=True),
+        "values": contracts.Spec(
+            "list",
+            "one session per value: CELL(VALUE)",
+            required=True,
+            nonempty=True,
+            unique=True,
+            items=contracts.Spec("str", pattern=_VALUE, pattern_says="letters, digits, _ . - only"),
+        ),
+        "tag_prefix": contracts.Spec("str", "each value's tag: PREFIX-VALUE", required=True),
+    },
+    "the cell's axis: one parametrized session per value",
+)
+CELL = contracts.table(
+    {
+        "description": contracts.Spec("str", "one line: what the cell asserts", required=True),
+        "suite": contracts.Spec("str", "the kind of cell", required=True, choices=SUITES),
+        "env": contracts.Spec("str", "its environment: envs/ENV.toml"),
+        "tests": contracts.strings("pytest paths it runs", nonempty=True),
+        "commands": contracts.Spec(
+            "list",
+            "commands it runs instead of pytest",
+            nonempty=True,
+            items=contracts.strings(nonempty=True),
+        ),
+        "profile": contracts.Spec("str", "its profile: profiles/PROFILE/profile.toml"),
+        "gpus": contracts.Spec("int", "the GPUs it leases", default=0, minimum=0),
+        "cores": contracts.Spec(
+            "list",
+            "the CPU cores its engines are bound to (VLLM_CPU_OMP_THREADS_BIND), leased like GPUs",
+            unique=True,
+            items=contracts.Spec("int", minimum=0),
+        ),
+        "min_compute_capability": contracts.Spec(
+            "str",
+            "the least compute capability of its GPUs",
+            check=_compute_capability,
+            check_says="like 9.0",
+        ),
+        "tp": contracts.Spec("int", "its tensor parallel size", minimum=1),
+        "settings": contracts.open_table("passed to the suites"),
+        "environment": contracts.entries(
+            contracts.Spec("str"), "variables set for the cell (strings)"
+        ),
+        "axis": AXIS,
+        "timeout_minutes": contracts.Spec(
+            "int", "what a CI step gets", default=DEFAULT_TIMEOUT_MINUTES, minimum=1
+        ),
+        "guard_sets": contracts.strings("named sets of [guard_sets] it guards", nonempty=True),
+        "guards": _guards("vLLM source paths it guards beyond its sets"),
+        "axis_guards": contracts.entries(
+            _guards("an axis value's own guards"), "per axis value: the vLLM paths it guards"
+        ),
+        "runs": contracts.strings(
+            "cells it runs for real: it guards what they guard and reads what they read",
+            nonempty=True,
+        ),
+        "reads": contracts.strings(
+            "repository files its tests read beyond its environment, profile and tests (globs)",
+            nonempty=True,
+            item=contracts.Spec(
+                "str", nonempty=True, check=_inside_repository, check_says="inside the repository"
+            ),
+        ),
+    },
+    "one nox session (or one per axis value)",
+    rules=(_cell_rules,),
+    rules_say=(
+        "Exactly one of tests or commands; env, or an axis named env; tp at most gpus; "
+        "min_compute_capability only with gpus; axis_guards only for axis values.",
+    ),
+)
+MATRIX = contracts.table(
+    {
+        "cells": contracts.entries(
+            CELL,
+            "the cells: [cells.NAME]",
+            names=_NAME,
+            names_say="lower-case letters, digits and '-'",
+            required=True,
+            nonempty=True,
+        ),
+        "guard_sets": contracts.entries(
+            _guards("a named set of vLLM source paths"),
+            "named sets of vLLM source paths cells guard (guard_sets = [...])",
+            default={},
+        ),
+    },
+    "matrix.toml: the cells",
+)
 
 
 @dataclass(frozen=True)
@@ -185,25 +312,55 @@ def parse_compute_capability(text: str) -> tuple[int, int]:
     return int(match.group(1)), int(match.group(2))
 
 
-def load_matrix(path: Path, known_envs: set[str] | None = None) -> Matrix:
-    """Read and validate matrix.toml; any defect is a UserError naming the file and the field."""
-    data = load_toml(path, "matrix file")
-    unknown_top = set(data) - {"cells", "guard_sets"}
-    if unknown_top:
-        raise UserError(f"{path}: unknown top-level key {sorted(unknown_top)[0]!r}")
-    raw_cells = data.get("cells")
-    if not isinstance(raw_cells, dict) or not raw_cells:
-        raise UserError(f"{path}: no [cells.NAME] tables")
-    raw_sets = data.get("guard_sets", {})
-    if not isinstance(raw_sets, dict):
-        raise UserError(f"{path}: guard_sets: expected a table of path lists")
-    guard_sets = {
-        name: _guards(f"{path}: guard_sets.{name}", paths) for name, paths in raw_sets.items()
-    }
-    cells = tuple(
-        _parse_cell(path, name, raw, known_envs, guard_sets) for name, raw in raw_cells.items()
-    )
+def load_matrix(
+    path: Path, known_envs: set[str] | None = None, known_profiles: set[str] | None = None
+) -> Matrix:
+    """Read and check matrix.toml (MATRIX: every key, type and range, and each cell's rules),
+    then what it names: environments in `known_envs` and profiles in `known_profiles` where
+    given, guard sets, the cells a cell runs. Every defect is a line of one UserError naming the
+    file, the table and the key."""
+    data = contracts.read(path, MATRIX, "matrix file")
+    guard_sets = {name: tuple(paths) for name, paths in data["guard_sets"].items()}
+    found = [
+        problem
+        for name, raw in data["cells"].items()
+        for problem in _references(name, raw, guard_sets, known_envs, known_profiles)
+    ]
+    contracts.raise_for(path, found)
+    cells = tuple(_cell(name, raw, guard_sets) for name, raw in data["cells"].items())
     return Matrix(cells=_resolve_runs(path, cells), source=path)
+
+
+def _references(
+    name: str,
+    raw: dict[str, Any],
+    guard_sets: dict[str, tuple[str, ...]],
+    known_envs: set[str] | None,
+    known_profiles: set[str] | None,
+) -> Iterator[contracts.Problem]:
+    """The names a cell gives that must exist elsewhere: its environments, profile and sets."""
+    where = f"cells.{name}"
+    axis = raw.get("axis")
+    envs = axis["values"] if axis is not None and axis["name"] == "env" else [raw["env"]]
+    for env in envs:
+        if known_envs is not None and env not in known_envs:
+            yield contracts.Problem(
+                f"{where}.env",
+                f"{env!r} has no envs/{env}.toml" + contracts.nearest(env, known_envs),
+            )
+    profile = raw.get("profile")
+    if known_profiles is not None and profile is not None and profile not in known_profiles:
+        yield contracts.Problem(
+            f"{where}.profile",
+            f"{profile!r} has no profiles/{profile}/profile.toml"
+            + contracts.nearest(profile, known_profiles),
+        )
+    for set_name in raw.get("guard_sets", []):
+        if set_name not in guard_sets:
+            yield contracts.Problem(
+                f"{where}.guard_sets",
+                f"no [guard_sets] {set_name!r}" + contracts.nearest(set_name, guard_sets),
+            )
 
 
 def _resolve_runs(path: Path, cells: tuple[Cell, ...]) -> tuple[Cell, ...]:
@@ -215,8 +372,11 @@ def _resolve_runs(path: Path, cells: tuple[Cell, ...]) -> tuple[Cell, ...]:
         for name in cell.runs:
             ran = by_name.get(name)
             if ran is None or ran is cell:
-                known = ", ".join(c.name for c in cells if c is not cell)
-                raise UserError(f"{path}: cells.{cell.name}.runs: no other cell {name!r} ({known})")
+                others = [c.name for c in cells if c is not cell]
+                raise UserError(
+                    f"{path}: cells.{cell.name}.runs: no other cell {name!r}"
+                    + contracts.nearest(name, others)
+                )
             if ran.runs:
                 raise UserError(
                     f"{path}: cells.{cell.name}.runs: {name!r} runs cells itself (one level only)"
@@ -226,153 +386,28 @@ def _resolve_runs(path: Path, cells: tuple[Cell, ...]) -> tuple[Cell, ...]:
     return tuple(resolved)
 
 
-def _parse_cell(
-    path: Path,
-    name: str,
-    raw: Any,
-    known_envs: set[str] | None,
-    guard_sets: dict[str, tuple[str, ...]],
-) -> Cell:
-    where = f"{path}: cells.{name}"
-    if not _NAME.match(name):
-        raise UserError(f"{where}: cell names are lower-case letters, digits and '-'")
-    if not isinstance(raw, dict):
-        raise UserError(f"{where}: must be a table")
-    for key, value in raw.items():
-        expected = _CELL_FIELDS.get(key)
-        if expected is None:
-            raise UserError(f"{where}.{key}: unknown field (known: {', '.join(_CELL_FIELDS)})")
-        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-            raise UserError(f"{where}.{key}: expected {expected.__name__}, got {value!r}")
-    for required in ("description", "suite"):
-        if required not in raw:
-            raise UserError(f"{where}.{required}: missing")
-    if raw["suite"] not in SUITES:
-        raise UserError(f"{where}.suite: {raw['suite']!r} is not one of {', '.join(SUITES)}")
-    if ("tests" in raw) == ("commands" in raw):
-        raise UserError(f"{where}: give exactly one of tests or commands")
-    tests = tuple(_strings(f"{where}.tests", raw["tests"])) if "tests" in raw else ()
-    commands = tuple(
-        tuple(_strings(f"{where}.commands[{i}]", command))
-        for i, command in enumerate(raw.get("commands", []))
-    )
-    if "commands" in raw and not commands:
-        raise UserError(f"{where}.commands: expected a non-empty list of commands")
-    gpus = raw.get("gpus", 0)
-    if gpus < 0:
-        raise UserError(f"{where}.gpus: must be >= 0")
-    cores = raw.get("cores", [])
-    numbers = [c for c in cores if type(c) is int and c >= 0]  # bool is an int subclass
-    if len(set(numbers)) != len(cores):
-        raise UserError(f"{where}.cores: expected distinct core numbers >= 0, got {cores!r}")
-    capability = raw.get("min_compute_capability")
-    if capability is not None:
-        try:
-            parse_compute_capability(capability)
-        except ValueError as exc:
-            raise UserError(f"{where}.min_compute_capability: {exc}") from None
-        if not gpus:
-            raise UserError(f"{where}.min_compute_capability: set, but the cell needs no GPU")
-    tp = raw.get("tp")
-    if tp is not None and (tp < 1 or (gpus and tp > gpus)):
-        raise UserError(f"{where}.tp: {tp} must be >= 1 and at most gpus ({gpus})")
-    environment = raw.get("environment", {})
-    for key, value in environment.items():
-        if not isinstance(value, str):
-            raise UserError(f"{where}.environment.{key}: values are strings, got {value!r}")
-    axis = _parse_axis(f"{where}.axis", raw["axis"]) if "axis" in raw else None
-    env = raw.get("env")
-    envs_used = list(axis.values) if axis is not None and axis.name == "env" else [env]
-    timeout = raw.get("timeout_minutes", DEFAULT_TIMEOUT_MINUTES)
-    if timeout < 1:
-        raise UserError(f"{where}.timeout_minutes: must be >= 1, got {timeout}")
-    guards: list[str] = []
-    for set_name in (
-        _strings(f"{where}.guard_sets", raw["guard_sets"]) if "guard_sets" in raw else []
-    ):
-        if set_name not in guard_sets:
-            known = ", ".join(sorted(guard_sets)) or "none"
-            raise UserError(f"{where}.guard_sets: no [guard_sets] {set_name!r} (known: {known})")
-        guards += guard_sets[set_name]
-    if "guards" in raw:
-        guards += _guards(f"{where}.guards", raw["guards"])
-    axis_guards: dict[str, tuple[str, ...]] = {}
-    for value, paths in raw.get("axis_guards", {}).items():
-        if axis is None or value not in axis.values:
-            known = ", ".join(axis.values) if axis is not None else "the cell has no axis"
-            raise UserError(f"{where}.axis_guards.{value}: not an axis value ({known})")
-        axis_guards[value] = _guards(f"{where}.axis_guards.{value}", paths)
-    runs = tuple(_strings(f"{where}.runs", raw["runs"])) if "runs" in raw else ()
-    reads = tuple(_strings(f"{where}.reads", raw["reads"])) if "reads" in raw else ()
-    for pattern in reads:
-        if pattern.startswith("/") or ".." in pattern.split("/") or "\\" in pattern:
-            raise UserError(f"{where}.reads: {pattern!r} is not a path inside this repository")
-    if env is not None and axis is not None and axis.name == "env":
-        raise UserError(f"{where}.env: set both as a field and as the axis")
-    for env_name in envs_used:
-        if env_name is None:
-            raise UserError(f"{where}.env: missing (or an axis named 'env')")
-        if known_envs is not None and env_name not in known_envs:
-            raise UserError(
-                f"{where}.env: {env_name!r} has no envs/{env_name}.toml "
-                f"(known: {', '.join(sorted(known_envs))})"
-            )
+def _cell(name: str, raw: dict[str, Any], guard_sets: dict[str, tuple[str, ...]]) -> Cell:
+    """A cell from its checked table."""
+    guards = [path for set_name in raw.get("guard_sets", []) for path in guard_sets[set_name]]
+    axis = raw.get("axis")
     return Cell(
         name=name,
         description=raw["description"],
         suite=raw["suite"],
-        env=env,
-        tests=tests,
-        commands=commands,
+        env=raw.get("env"),
+        tests=tuple(raw.get("tests", ())),
+        commands=tuple(tuple(command) for command in raw.get("commands", ())),
         profile=raw.get("profile"),
-        gpus=gpus,
-        cores=tuple(sorted(cores)),
-        min_compute_capability=capability,
-        tp=tp,
+        gpus=raw["gpus"],
+        cores=tuple(sorted(raw.get("cores", ()))),
+        min_compute_capability=raw.get("min_compute_capability"),
+        tp=raw.get("tp"),
         settings=dict(raw.get("settings", {})),
-        environment=dict(environment),
-        axis=axis,
-        timeout_minutes=timeout,
-        guards=tuple(dict.fromkeys(guards)),
-        axis_guards=axis_guards,
-        runs=runs,
-        reads=reads,
+        environment=dict(raw.get("environment", {})),
+        axis=Axis(axis["name"], tuple(axis["values"]), axis["tag_prefix"]) if axis else None,
+        timeout_minutes=raw["timeout_minutes"],
+        guards=tuple(dict.fromkeys([*guards, *raw.get("guards", ())])),
+        axis_guards={value: tuple(paths) for value, paths in raw.get("axis_guards", {}).items()},
+        runs=tuple(raw.get("runs", ())),
+        reads=tuple(raw.get("reads", ())),
     )
-
-
-def _parse_axis(where: str, raw: dict[str, Any]) -> Axis:
-    for key, value in raw.items():
-        expected = _AXIS_FIELDS.get(key)
-        if expected is None:
-            raise UserError(f"{where}.{key}: unknown field (known: {', '.join(_AXIS_FIELDS)})")
-        if not isinstance(value, expected):
-            raise UserError(f"{where}.{key}: expected {expected.__name__}, got {value!r}")
-    for required in _AXIS_FIELDS:
-        if required not in raw:
-            raise UserError(f"{where}.{required}: missing")
-    values = tuple(_strings(f"{where}.values", raw["values"]))
-    if not values or len(set(values)) != len(values):
-        raise UserError(f"{where}.values: must be a non-empty list of distinct strings")
-    for value in values:
-        if not _VALUE.match(value):
-            raise UserError(f"{where}.values: {value!r} may hold only letters, digits, _ . -")
-    return Axis(name=raw["name"], values=values, tag_prefix=raw["tag_prefix"])
-
-
-def _guards(where: str, value: Any) -> tuple[str, ...]:
-    paths = _strings(where, value)
-    for path in paths:
-        if not _GUARD.match(path) or "/../" in f"/{path}" or "/./" in f"/{path}":
-            raise UserError(
-                f"{where}: {path!r} is not a vLLM source path (vllm/..., a file, or a folder "
-                "ending in /; no globs)"
-            )
-    if len(set(paths)) != len(paths):
-        raise UserError(f"{where}: a path is listed twice")
-    return tuple(paths)
-
-
-def _strings(where: str, value: Any) -> list[str]:
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value) or not value:
-        raise UserError(f"{where}: expected a non-empty list of strings, got {value!r}")
-    return list(value)

@@ -1,11 +1,11 @@
-"""What a profile.toml may hold: every table and key the suites and the harness read, with its
-type. `check_profile` runs when a profile is loaded (the runner loads it before it builds an
-environment), so a typo or a wrong type is one clear line before any engine starts, not a
-KeyError after minutes of reference runs on a GPU.
+"""What a profile.toml may hold (PROFILE, a contract read by glm5_matrix.contracts): every table
+and key the suites and the harness read, with its type and range. `check_profile` runs when a
+profile is loaded (the runner loads it before it builds an environment), so a typo, a wrong type
+or a value out of range is one clear line before any engine starts, not a KeyError after
+minutes of reference runs on a GPU.
 
-A table given as a dict lists its keys; `OPEN` marks a table whose keys belong to someone else
-(vLLM's engine arguments, a model config, environment variables): only its being a table is
-checked there. Types: "str", "int", "number" (int or float), "bool", "list", "table".
+An open table (contracts.open_table) holds keys that belong to someone else (vLLM's engine
+arguments, a model config, environment variables): only its being a table is checked there.
 """
 
 from __future__ import annotations
@@ -13,171 +13,196 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from glm5_matrix.errors import UserError
+from glm5_matrix import contracts
+from glm5_matrix.contracts import Spec, open_table, table
+from glm5_matrix.matrix.tolerances import TOLERANCES
 
-OPEN = "table"
+# The tables read into glm5_matrix.matrix.tolerances.Tolerances when a profile is loaded.
+TOLERANCE_TABLES = ("tolerances", "pd.tolerances", "dflash.tolerances")
+# What a profile's weights may be without a checkpoint (glm5_matrix.matrix.context.Weights).
+WEIGHT_KINDS = ("random", "generated", "dummy")
 
-TOLERANCES: dict[str, Any] = {
-    "min_distinct_tokens": "int",
-    "min_median_margin_steps": "number",
-    "reference_repeats": "int",
-    "min_power": "number",
-    "control_changed_blocks": "number",
-    "checkpoint_page_rel": "number",
-    # The false-red budget (glm5_matrix.verdicts.false_red.Budget, docs/verdicts.md).
-    "false_red_per_cell": "number",
-    "comparisons_per_cell": "int",
-    "compared_runs": "int",
-}
-TOLERANCES_REQUIRED = (
-    "min_distinct_tokens",
-    "min_median_margin_steps",
-    "min_power",
-    "reference_repeats",
-    "false_red_per_cell",
-    "comparisons_per_cell",
+
+def _positive(doc: str, type_name: str = "number") -> Spec:
+    return Spec(type_name, doc, above=0)
+
+
+def _count(doc: str, least: int = 1) -> Spec:
+    return Spec("int", doc, minimum=least)
+
+
+PROFILE = table(
+    {
+        "description": Spec("str", "what the profile is"),
+        "architecture": Spec("str", "the model family the suites branch on (glm5_next, ...)"),
+        "model": table(
+            {
+                "name": Spec("str", "the generated model's name"),
+                "architecture": Spec("str", "the generated model's architecture class"),
+                "model_type": Spec("str", "its config's model_type"),
+                "dtype": Spec("str", "its weights' dtype"),
+                "seed": Spec("int", "the generated weights' seed"),
+                "init_gain": _positive("the generated weights' scale"),
+                "embedding_std": _positive("the generated embeddings' standard deviation"),
+                "config": open_table("the model config (config.json's keys)"),
+            },
+            "the generated model (tiny profiles)",
+        ),
+        "layout": table(
+            {
+                "group_kinds": Spec(
+                    "list", "the planner's group kinds (mla, tail, mamba)", items=Spec("str")
+                ),
+                "group_specs": open_table("KV cache spec class per group kind"),
+                "kda_layers": Spec(
+                    "list", "the KDA (Mamba-state) layers", items=Spec("int", minimum=0)
+                ),
+                "dsa_layers": Spec("list", "the DSA/MLA layers", items=Spec("int", minimum=0)),
+                "tail_prefix_cacheable": Spec(
+                    "bool", "whether the kpool tail ring is prefix-cacheable"
+                ),
+            },
+            "the KV cache layout the layout suite expects",
+        ),
+        "expect": table(
+            {
+                "block_size": open_table("the block size per TP (tp1, tp2, ...)"),
+                "mamba_spec": Spec("str", "vLLM's KV spec class of the Mamba groups"),
+                "mla_spec": Spec("str", "of the MLA group"),
+                "tail_spec": Spec("str", "of the kpool tail ring"),
+                "attention_spec": Spec("str", "of the attention group"),
+                "mamba_groups": _count("the KV cache groups of Mamba state", 0),
+                "attention_groups": _count("the KV cache groups of attention", 0),
+                "mamba_shares_attention_storage": Spec(
+                    "bool", "whether Mamba pages are padded into the attention pages"
+                ),
+            },
+            "what the suites expect of vLLM's KV cache for this model",
+            required=True,
+        ),
+        "metadata": table(
+            {
+                "kda_prefill_backend": Spec("str", "the KDA prefill kernel the spec is built for"),
+                "num_speculative_tokens": _count("MTP draft tokens of the speculative variants"),
+                "max_model_len": _count("the model length of the metadata builds"),
+            },
+            "what the metadata suite expects",
+        ),
+        "weights": table(
+            {
+                "checkpoint_variables": Spec(
+                    "list", "variables naming a checkpoint directory", items=Spec("str")
+                ),
+                "default": Spec(
+                    "str",
+                    "the weights without a checkpoint (dummy where unset)",
+                    choices=WEIGHT_KINDS,
+                ),
+            },
+            "which weights the cells use",
+            required=True,
+        ),
+        # vLLM's engine arguments: vLLM itself refuses an unknown one at start
+        "engine": open_table("vLLM's engine arguments", required=True),
+        "moe_backends": open_table("per MoE backend: its engine arguments"),
+        "prompts": table(
+            {
+                "long_blocks": Spec(
+                    "number",
+                    "the long prompt, in blocks (it crosses a block)",
+                    required=True,
+                    above=1,
+                ),
+                "checkpoint_blocks": Spec(
+                    "number",
+                    "the checkpoint prompt, in blocks (it crosses a block boundary)",
+                    required=True,
+                    above=1,
+                ),
+                "max_tokens": Spec("int", "tokens generated per request", required=True, minimum=1),
+                "seed": Spec("int", "the prompts' seed", required=True),
+                "prefill_chunk_blocks": _count("a prefill chunk ends at this many blocks"),
+            },
+            "the suites' prompts",
+            required=True,
+        ),
+        "warm": table(
+            {
+                "prompt_tokens": Spec("list", "prompt lengths in tokens", items=_count("")),
+                "prompt_blocks": Spec("list", "prompt lengths in blocks", items=_positive("")),
+                "max_tokens": _count("greedy tokens per warm request"),
+            },
+            "what nox -s warm runs to compile the kernels",
+        ),
+        "tolerances": TOLERANCES,
+        "mtp": table({"num_speculative_tokens": _count("its draft tokens")}, "the MTP drafter"),
+        "noise": table(
+            {
+                "prompt_blocks": _positive("its prompt, in blocks"),
+                "max_tokens": _count("tokens generated per request"),
+                "plant_within": Spec("str", "where the noise suite plants its probe"),
+            },
+            "the noise suite",
+        ),
+        "offload": table(
+            {
+                "cpu_blocks": _count("blocks the CPU store holds"),
+                "store_wait_s": _positive("the longest wait for a store (seconds)"),
+            },
+            "the offload suite",
+        ),
+        "pd": table(
+            {
+                "kv_buffer_device": Spec("str", "NIXL's KV buffer: cuda or cpu"),
+                "engine": open_table("both servers' engine arguments over [engine]"),
+                "environment": open_table("both servers' environment"),
+                "prefill_environment": open_table("P's environment"),
+                "decode_environment": open_table("D's environment"),
+                "other_environment": open_table("the other-weights prefiller's environment"),
+                "prompt_whole_blocks": _positive(
+                    "the judged prompt: N-1 tokens on a block boundary"
+                ),
+                "unaligned_prompt_blocks": _positive("the mid-block prompt, in blocks"),
+                "max_tokens": _count("tokens generated per request"),
+                "kv_groups": _count("the KV groups a transfer carries"),
+                "startup_timeout_s": _positive("the longest wait for a server to start (seconds)"),
+                "request_timeout_s": _positive("the longest wait for one request (seconds)"),
+                "connect_attempts": _count("tries of a first handshake that timed out"),
+                "connect_retry_reproduction": Spec(
+                    "str",
+                    "upstream/NAME: the defect the retry works around",
+                    pattern=r"upstream/[a-z0-9-]+",
+                    pattern_says="upstream/NAME (a folder of upstream/)",
+                ),
+                "tolerances": TOLERANCES,
+            },
+            "prefill/decode disaggregation over NIXL",
+        ),
+        "dflash": table(
+            {
+                "num_speculative_tokens": _count("its draft tokens"),
+                "target_layer_ids": Spec(
+                    "list",
+                    "the target layers it taps (-1: the embeddings)",
+                    items=Spec("int", minimum=-1),
+                ),
+                "config": open_table("the drafter's config"),
+                "tolerances": TOLERANCES,
+            },
+            "the DFlash drafter",
+        ),
+    },
+    "profiles/NAME/profile.toml: what a cell runs on",
 )
-
-SCHEMA: dict[str, Any] = {
-    "description": "str",
-    "architecture": "str",
-    "model": {
-        "name": "str",
-        "architecture": "str",
-        "model_type": "str",
-        "dtype": "str",
-        "seed": "int",
-        "init_gain": "number",
-        "embedding_std": "number",
-        "config": OPEN,
-    },
-    "layout": {
-        "group_kinds": "list",
-        "group_specs": OPEN,
-        "kda_layers": "list",
-        "dsa_layers": "list",
-        "tail_prefix_cacheable": "bool",
-    },
-    "expect": {
-        "block_size": OPEN,
-        "mamba_spec": "str",
-        "mla_spec": "str",
-        "tail_spec": "str",
-        "attention_spec": "str",
-        "mamba_groups": "int",
-        "attention_groups": "int",
-        "mamba_shares_attention_storage": "bool",
-    },
-    "metadata": {
-        "kda_prefill_backend": "str",
-        "num_speculative_tokens": "int",
-        "max_model_len": "int",
-    },
-    "weights": {"checkpoint_variables": "list", "default": "str"},
-    "engine": OPEN,  # vLLM's engine arguments: vLLM itself refuses an unknown one at start
-    "moe_backends": OPEN,
-    "prompts": {
-        "long_blocks": "number",
-        "checkpoint_blocks": "number",
-        "max_tokens": "int",
-        "seed": "int",
-        "prefill_chunk_blocks": "int",
-    },
-    "warm": {"prompt_tokens": "list", "prompt_blocks": "list", "max_tokens": "int"},
-    "tolerances": TOLERANCES,
-    "mtp": {"num_speculative_tokens": "int"},
-    "noise": {"prompt_blocks": "number", "max_tokens": "int", "plant_within": "str"},
-    "offload": {"cpu_blocks": "int", "store_wait_s": "number"},
-    "pd": {
-        "kv_buffer_device": "str",
-        "engine": OPEN,
-        "environment": OPEN,
-        "prefill_environment": OPEN,
-        "decode_environment": OPEN,
-        "other_environment": OPEN,
-        "prompt_whole_blocks": "number",
-        "unaligned_prompt_blocks": "number",
-        "max_tokens": "int",
-        "kv_groups": "int",
-        "startup_timeout_s": "number",
-        "request_timeout_s": "number",
-        "connect_attempts": "int",
-        "connect_retry_reproduction": "str",  # upstream/NAME: the defect the retry works around
-        "tolerances": TOLERANCES,
-    },
-    "dflash": {
-        "num_speculative_tokens": "int",
-        "target_layer_ids": "list",
-        "config": OPEN,
-        "tolerances": TOLERANCES,
-    },
-}
-
-# Tables every profile has (the suites' common ground), and keys a present table must hold.
-REQUIRED_TABLES = ("engine", "expect", "prompts", "tolerances", "weights")
-REQUIRED_KEYS: dict[str, tuple[str, ...]] = {
-    "prompts": ("long_blocks", "checkpoint_blocks", "max_tokens", "seed"),
-    "tolerances": TOLERANCES_REQUIRED,
-    "pd.tolerances": TOLERANCES_REQUIRED,
-    "dflash.tolerances": TOLERANCES_REQUIRED,
-}
-
-_TYPES: dict[str, tuple[type, ...]] = {
-    "str": (str,),
-    "int": (int,),
-    "number": (int, float),
-    "bool": (bool,),
-    "list": (list,),
-    "table": (dict,),
-}
 
 
 def problems(data: Mapping[str, Any]) -> list[str]:
-    """Every way `data` (a parsed profile.toml) departs from SCHEMA, one line each."""
-    found: list[str] = []
-    _walk(data, SCHEMA, "", found)
-    found += [f"[{name}] is missing" for name in REQUIRED_TABLES if name not in data]
-    for table, keys in REQUIRED_KEYS.items():
-        value = _lookup(data, table)
-        if isinstance(value, dict):
-            found += [f"[{table}] lacks {key!r}" for key in keys if key not in value]
-    return found
+    """Every way `data` (a parsed profile.toml, its base merged in) departs from PROFILE, one
+    line each (`tolerances.min_powr: unknown key; did you mean 'min_power'?`)."""
+    return [f"{p.where}: {p.text}" for p in contracts.problems(data, PROFILE)]
 
 
 def check_profile(path: Any, data: Mapping[str, Any]) -> None:
-    """One UserError naming the file and every problem in it; nothing when it is well formed."""
-    found = problems(data)
-    if found:
-        raise UserError(f"{path}: " + "; ".join(found))
-
-
-def _walk(data: Mapping[str, Any], schema: Mapping[str, Any], where: str, found: list[str]) -> None:
-    for key, value in data.items():
-        name = f"{where}.{key}" if where else key
-        if key not in schema:
-            known = ", ".join(sorted(schema))
-            found.append(f"unknown key {name!r} (known here: {known})")
-            continue
-        expected = schema[key]
-        if isinstance(expected, dict):
-            if not isinstance(value, dict):
-                found.append(f"{name} must be a table, not {type(value).__name__}")
-            else:
-                _walk(value, expected, name, found)
-        elif not _is(value, expected):
-            found.append(f"{name} must be {expected}, not {type(value).__name__} ({value!r})")
-
-
-def _is(value: Any, expected: str) -> bool:
-    if isinstance(value, bool) and expected != "bool":
-        return False  # TOML's true is no number
-    return isinstance(value, _TYPES[expected])
-
-
-def _lookup(data: Mapping[str, Any], dotted: str) -> Any:
-    value: Any = data
-    for part in dotted.split("."):
-        if not isinstance(value, dict):
-            return None
-        value = value.get(part)
-    return value
+    """One UserError naming the file and every problem in it, a line each; nothing when it is
+    well formed."""
+    contracts.raise_for(path, contracts.problems(data, PROFILE))

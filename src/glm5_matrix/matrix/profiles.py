@@ -11,17 +11,19 @@ tolerances keep their one reason, where they were measured, in one file). One le
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from glm5_matrix.errors import UserError, load_toml
 from glm5_matrix.files import repo_root
-from glm5_matrix.matrix.profile_schema import check_profile
+from glm5_matrix.matrix.profile_schema import TOLERANCE_TABLES, check_profile
+from glm5_matrix.matrix.tolerances import Tolerances
 
 
-def profiles_dir() -> Path:
-    return repo_root() / "profiles"
+def profiles_dir(root: Path | None = None) -> Path:
+    return (root or repo_root()) / "profiles"
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,8 @@ class Profile:
     name: str
     directory: Path
     data: dict[str, Any]
+    # Its tolerance tables as built at load: "tolerances", "pd.tolerances", "dflash.tolerances".
+    tolerance_tables: Mapping[str, Tolerances] = field(default_factory=dict)
 
     @property
     def config_path(self) -> Path:
@@ -44,6 +48,16 @@ class Profile:
                 f"profile {self.name}: {self.config_path}: not valid JSON: {exc}"
             ) from None
 
+    def tolerances(self, of: str = "") -> Tolerances:
+        """[tolerances], or [OF.tolerances] ("pd", "dflash"): what the suites judge by."""
+        table = f"{of}.tolerances" if of else "tolerances"
+        try:
+            return self.tolerance_tables[table]
+        except KeyError:
+            raise UserError(
+                f"{self.directory / 'profile.toml'}: no [{table}] table, which this suite reads"
+            ) from None
+
     def section(self, name: str) -> dict[str, Any]:
         value = self.data.get(name, {})
         if not isinstance(value, dict):
@@ -51,8 +65,9 @@ class Profile:
         return value
 
 
-def profile_names() -> list[str]:
-    return sorted(p.parent.name for p in profiles_dir().glob("*/profile.toml"))
+def profile_names(root: Path | None = None) -> list[str]:
+    """The profiles of the checkout at `root` (default: this one)."""
+    return sorted(p.parent.name for p in profiles_dir(root).glob("*/profile.toml"))
 
 
 def _over(base: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
@@ -95,4 +110,16 @@ def load_profile(name: str) -> Profile:
             raise UserError(f"{path}: extends {base!r}, which extends another (one level only)")
         data = _over(base_data, data)
     check_profile(path, data)  # a typo is one line here, before any environment or engine
-    return Profile(name=name, directory=path.parent, data=data)
+    return Profile(name=name, directory=path.parent, data=data, tolerance_tables=_tolerances(data))
+
+
+def _tolerances(data: dict[str, Any]) -> dict[str, Tolerances]:
+    """The profile's tolerance tables, checked by check_profile, each built into Tolerances."""
+    built: dict[str, Tolerances] = {}
+    for table in TOLERANCE_TABLES:
+        values: Any = data
+        for part in table.split("."):
+            values = values.get(part) if isinstance(values, dict) else None
+        if isinstance(values, dict):
+            built[table] = Tolerances.from_table(table, values)  # ranges checked: check_profile
+    return built

@@ -59,7 +59,7 @@ HEAD_MODULES = ("ParallelLMHead",)
 # scale, ~1 at weight 1 (see the module doc).
 QUERY_GAIN = 8.0
 QUERY_NORMS = ("q_a_layernorm",)
-# A measurement's override of QUERY_GAIN (README, "The repeat's power", measured the repeat at
+# A measurement's override of QUERY_GAIN (docs/verdicts.md, "The repeat's power"; docs/journal.md measured the repeat at
 # several gains): set in the cell's environment, read in every vLLM process, recorded by the
 # suites as weights.query_gain.
 QUERY_GAIN_VARIABLE = "GLM5_MATRIX_QUERY_GAIN"

@@ -10,18 +10,55 @@ expected to catch it once written)."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from glm5_matrix.errors import UserError, load_toml
+from glm5_matrix import contracts
+from glm5_matrix.contracts import Spec
 
 CATALOGUE_FILE = Path("mutants") / "catalogue.toml"
 PATCHES_DIR = Path("mutants") / "patches"
-_NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
-_REQUIRED = {"name": str, "patch": str, "cell": str, "area": str, "breaks": str, "select": str}
-_OPTIONAL = {"expect": list, "ci": bool, "no_power": str, "note": str}
+
+
+def _text(doc: str, required: bool = True) -> Spec:
+    return Spec("str", doc, required=required, nonempty=True)
+
+
+MUTANT = contracts.table(
+    {
+        "name": Spec(
+            "str",
+            "the mutant's name",
+            required=True,
+            pattern=r"[a-z0-9][a-z0-9-]*",
+            pattern_says="lower-case letters, digits and dashes",
+        ),
+        "patch": _text("a unified diff in mutants/patches/ against the pinned vLLM's files"),
+        "cell": _text("the matrix variant it runs in, e.g. e2e-cpu or e2e-tp1(deep_gemm)"),
+        "area": _text("what the matrix claims to guard"),
+        "breaks": _text("what the regression does"),
+        "select": _text("the pytest -k expression of the tests that can catch it"),
+        "expect": contracts.strings("the tests expected to catch it"),
+        "ci": Spec("bool", "in .ci/run's subset", default=False),
+        "no_power": _text("where the catching comparison has no power", required=False),
+        "note": _text("why it may survive, or the check expected to catch it", required=False),
+    },
+    "one planted regression",
+)
+CATALOGUE = contracts.table(
+    {
+        "mutant": Spec(
+            "list",
+            "[[mutant]] entries",
+            required=True,
+            nonempty=True,
+            unique_by="name",
+            items=MUTANT,
+        )
+    },
+    "mutants/catalogue.toml: the planted vLLM regressions",
+)
 
 
 @dataclass(frozen=True)
@@ -40,60 +77,41 @@ class Mutant:
 
 
 def load_catalogue(path: Path, cells: Mapping[str, str]) -> list[Mutant]:
-    """Read the catalogue; `cells` maps every matrix variant id to its environment. A defect is
-    a UserError naming the file, the entry and the field."""
-    data = load_toml(path, "mutant catalogue")
-    unknown = set(data) - {"mutant"}
-    if unknown:
-        raise UserError(f"{path}: unknown top-level keys {sorted(unknown)} (only [[mutant]])")
-    entries = data.get("mutant", [])
-    if not isinstance(entries, list) or not entries:
-        raise UserError(f"{path}: no [[mutant]] entries")
+    """Read the catalogue (CATALOGUE); `cells` maps every matrix variant id to its environment.
+    Each defect is a line of one UserError naming the file, the entry and the key."""
+    data = contracts.read(path, CATALOGUE, "mutant catalogue")
     patches = path.parent / PATCHES_DIR.name
-    mutants: list[Mutant] = []
-    seen: set[str] = set()
-    for number, entry in enumerate(entries, 1):
-        where = f"{path}: mutant {entry.get('name') or number}"
-        for key, value in entry.items():
-            expected = _REQUIRED.get(key) or _OPTIONAL.get(key)
-            if expected is None:
-                known = ", ".join([*_REQUIRED, *_OPTIONAL])
-                raise UserError(f"{where}: {key}: unknown field (known: {known})")
-            if not isinstance(value, expected):
-                raise UserError(f"{where}: {key}: expected {expected.__name__}, got {value!r}")
-        for key in _REQUIRED:
-            if not str(entry.get(key, "")).strip():
-                raise UserError(f"{where}: {key}: missing")
-        name = entry["name"]
-        if not _NAME.match(name):
-            raise UserError(f"{where}: name: lower-case letters, digits and dashes only")
-        if name in seen:
-            raise UserError(f"{where}: name: defined twice")
-        seen.add(name)
+    found = []
+    for entry in data["mutant"]:
+        where = f"mutant {entry['name']!r}"
         if entry["cell"] not in cells:
-            raise UserError(f"{where}: cell: {entry['cell']!r} is not a variant of the matrix")
-        patch = patches / entry["patch"]
-        if not patch.is_file():
-            raise UserError(f"{where}: patch: {patch} not found")
-        expect = entry.get("expect", [])
-        if not all(isinstance(e, str) and e for e in expect):
-            raise UserError(f"{where}: expect: a list of test names")
-        mutants.append(
-            Mutant(
-                name=name,
-                patch=patch.resolve(),
-                cell=entry["cell"],
-                env=cells[entry["cell"]],
-                area=entry["area"],
-                breaks=" ".join(entry["breaks"].split()),
-                select=entry["select"],
-                expect=tuple(expect),
-                ci=entry.get("ci", False),
-                no_power=" ".join(entry["no_power"].split()) if "no_power" in entry else None,
-                note=" ".join(entry["note"].split()) if "note" in entry else None,
+            hint = contracts.nearest(entry["cell"], cells)
+            found.append(
+                contracts.Problem(
+                    f"{where}.cell", f"{entry['cell']!r} is not a variant of the matrix{hint}"
+                )
             )
+        if not (patches / entry["patch"]).is_file():
+            found.append(
+                contracts.Problem(f"{where}.patch", f"{patches / entry['patch']} not found")
+            )
+    contracts.raise_for(path, found)
+    return [
+        Mutant(
+            name=entry["name"],
+            patch=(patches / entry["patch"]).resolve(),
+            cell=entry["cell"],
+            env=cells[entry["cell"]],
+            area=entry["area"],
+            breaks=" ".join(entry["breaks"].split()),
+            select=entry["select"],
+            expect=tuple(entry.get("expect", ())),
+            ci=entry["ci"],
+            no_power=" ".join(entry["no_power"].split()) if "no_power" in entry else None,
+            note=" ".join(entry["note"].split()) if "note" in entry else None,
         )
-    return mutants
+        for entry in data["mutant"]
+    ]
 
 
 def control_selection(mutants: list[Mutant]) -> str:

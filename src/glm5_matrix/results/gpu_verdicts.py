@@ -22,36 +22,67 @@ here"). One [[verdict]] table per (mutant, GPU model, vLLM version), the latest 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from glm5_matrix.errors import UserError, load_toml
+from glm5_matrix import contracts
+from glm5_matrix.contracts import Spec
 
 KEPT_FILE = Path("mutants") / "gpu-verdicts.toml"
 STATUSES = ("caught", "survived")
-_DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
-_REQUIRED: dict[str, type | tuple[type, ...]] = {
-    "mutant": str,
-    "status": str,
-    "gpu": str,
-    "vllm": str,
-    "date": str,
-    "how": str,
-    "detail": str,
-    "source": str,
-}
-_OPTIONAL: dict[str, type | tuple[type, ...]] = {
-    "caught_by": list,
-    "seconds": (int, float),
-    "control_seconds": (int, float),
-}
+
+
+def _text(doc: str, required: bool = True) -> Spec:
+    return Spec("str", doc, required=required, nonempty=required)
+
+
+VERDICT = contracts.table(
+    {
+        "mutant": _text("the catalogue entry (mutants/catalogue.toml) judged"),
+        "status": Spec(
+            "str",
+            "what the run judged (a run that judged nothing is not kept)",
+            required=True,
+            choices=STATUSES,
+        ),
+        "gpu": _text("the runner's GPU model, as nvidia-smi names it"),
+        "vllm": _text("the vLLM version the cell ran"),
+        "date": Spec(
+            "str",
+            "when (UTC)",
+            required=True,
+            pattern=r"\d{4}-\d{2}-\d{2}",
+            pattern_says="YYYY-MM-DD",
+        ),
+        "caught_by": contracts.strings("the tests that failed (empty when it survived)"),
+        "seconds": Spec("number", "the mutant's run, wall seconds", minimum=0),
+        "control_seconds": Spec(
+            "number", "its cell's control run (the unpatched copy), wall seconds", minimum=0
+        ),
+        "how": _text("`nox -s mutants` and its arguments, or `by hand` and what was done"),
+        "detail": _text("what the run showed, one line", required=False),
+        "source": _text("where it was recorded: a commit, a results folder"),
+    },
+    "one kept GPU verdict",
+    rules=(
+        lambda v: (
+            [("caught_by", "a caught mutant names the tests that caught it")]
+            if v.get("status") == "caught" and not v.get("caught_by")
+            else []
+        ),
+    ),
+    rules_say=("a caught verdict names the tests that caught it",),
+)
+GPU_VERDICTS = contracts.table(
+    {"verdict": Spec("list", "[[verdict]] entries", items=VERDICT)},
+    "mutants/gpu-verdicts.toml: the GPU verdicts of `nox -s mutants`, kept",
+)
 
 HEADER = """# The GPU half of the mutant catalogue, judged and kept (glm5_matrix.results.gpu_verdicts):
 # written by `nox -s mutants` on a GPU box (never by a CPU run), read by the mutants report and
-# the catalogue's table (glm5_matrix.mutants.table). Commit it after a GPU run.
+# the catalogue's table on the docs site (glm5_matrix.docs.tables). Commit it after a GPU run.
 """
 
 
@@ -92,33 +123,14 @@ class KeptVerdict:
 
 
 def load(path: Path) -> list[KeptVerdict]:
-    """The kept verdicts (none when the file is absent); a defect is one UserError naming the
-    file, the entry and the field."""
+    """The kept verdicts (none when the file is absent), read through the contracts reader
+    (GPU_VERDICTS): each defect is a line of one UserError naming the file, the entry and the
+    key."""
     if not path.is_file():
         return []
-    data = load_toml(path, "kept GPU verdicts")
-    unknown = set(data) - {"verdict"}
-    if unknown:
-        raise UserError(f"{path}: unknown top-level keys {sorted(unknown)} (only [[verdict]])")
-    found: list[KeptVerdict] = []
-    seen: set[tuple[str, str, str]] = set()
-    for number, entry in enumerate(data.get("verdict", []), 1):
-        where = f"{path}: verdict {number} ({entry.get('mutant', '?')})"
-        for key, value in entry.items():
-            expected = _REQUIRED.get(key) or _OPTIONAL.get(key)
-            if expected is None:
-                known = ", ".join([*_REQUIRED, *_OPTIONAL])
-                raise UserError(f"{where}: {key}: unknown field (known: {known})")
-            if not isinstance(value, expected) or isinstance(value, bool):
-                raise UserError(f"{where}: {key}: wrong type ({value!r})")
-        for key in _REQUIRED:
-            if key != "detail" and not str(entry.get(key, "")).strip():
-                raise UserError(f"{where}: {key}: missing")
-        if entry["status"] not in STATUSES:
-            raise UserError(f"{where}: status: {entry['status']!r} is not one of {STATUSES}")
-        if not _DATE.match(entry["date"]):
-            raise UserError(f"{where}: date: {entry['date']!r} is not YYYY-MM-DD")
-        verdict = KeptVerdict(
+    data = contracts.read(path, GPU_VERDICTS, "kept GPU verdicts")
+    found = [
+        KeptVerdict(
             mutant=entry["mutant"],
             status=entry["status"],
             gpu=entry["gpu"],
@@ -127,18 +139,25 @@ def load(path: Path) -> list[KeptVerdict]:
             how=entry["how"],
             detail=entry.get("detail", ""),
             source=entry["source"],
-            caught_by=tuple(str(t) for t in entry.get("caught_by", [])),
+            caught_by=tuple(entry.get("caught_by", ())),
             seconds=None if entry.get("seconds") is None else float(entry["seconds"]),
             control_seconds=(
                 None if entry.get("control_seconds") is None else float(entry["control_seconds"])
             ),
         )
-        if verdict.status == "caught" and not verdict.caught_by:
-            raise UserError(f"{where}: caught_by: a caught mutant names the tests that caught it")
+        for entry in data.get("verdict", [])
+    ]
+    seen: set[tuple[str, str, str]] = set()
+    twice = []
+    for number, verdict in enumerate(found, 1):
         if verdict.key in seen:
-            raise UserError(f"{where}: kept twice for {verdict.gpu}, vLLM {verdict.vllm}")
+            twice.append(
+                contracts.Problem(
+                    f"verdict #{number}", f"kept twice for {verdict.gpu}, vLLM {verdict.vllm}"
+                )
+            )
         seen.add(verdict.key)
-        found.append(verdict)
+    contracts.raise_for(path, twice)
     return found
 
 

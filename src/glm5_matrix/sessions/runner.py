@@ -27,7 +27,7 @@ from glm5_matrix.kernels import gpu_models, kernel_archive, kernel_cache
 from glm5_matrix.machine import hardware, kill_domain, leases, supervision
 from glm5_matrix.matrix import context as cell_context
 from glm5_matrix.matrix.matrix import MATRIX_FILE, Matrix, Variant, load_matrix
-from glm5_matrix.matrix.profiles import load_profile
+from glm5_matrix.matrix.profiles import load_profile, profile_names
 from glm5_matrix.models import drafters, weights
 from glm5_matrix.results import closing, executed, schema
 from glm5_matrix.sessions import nox_session
@@ -40,7 +40,11 @@ WEIGHTS_SUITES = ("e2e", "offload", "pd")
 
 def load(root: Path | None = None) -> Matrix:
     root = root or repo_root()
-    return load_matrix(root / MATRIX_FILE, known_envs=set(environments.load_envs(root)))
+    return load_matrix(
+        root / MATRIX_FILE,
+        known_envs=set(environments.load_envs(root)),
+        known_profiles=set(profile_names(root)),
+    )
 
 
 @dataclass(frozen=True)

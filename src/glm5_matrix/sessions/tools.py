@@ -1,7 +1,8 @@
-"""The harness's own tools as nox sessions (report, pipeline): they run in the harness
-environment, which holds what they need (junitparser, PyYAML), built and reused like a cell's
-(under .nox/tools, or GLM5_MATRIX_VENVS), or in GLM5_MATRIX_PYTHON's interpreter where one is
-given. The session's arguments go to `glm5-matrix`; its exit status is the session's."""
+"""The harness's own tools as nox sessions (report, pipeline, docs): they run in the harness
+environment, which holds what they need (junitparser, PyYAML, mkdocs), built and reused like a
+cell's (under .nox/tools, or GLM5_MATRIX_VENVS), or in GLM5_MATRIX_PYTHON's interpreter where one
+is given. The session's arguments go to `glm5-matrix` (run_module: to another module of that
+environment, mkdocs for the docs site); its exit status is the session's."""
 
 from __future__ import annotations
 
@@ -24,6 +25,11 @@ def venv_dir(environ: dict[str, str]) -> Path:
 
 def run(session: NoxSession, argv: list[str]) -> None:
     """`glm5-matrix ARGV...` in the harness environment. `session` is a nox.Session."""
+    run_module(session, "glm5_matrix.cli", argv)
+
+
+def run_module(session: NoxSession, module: str, argv: list[str]) -> None:
+    """`python -m MODULE ARGV...` in the harness environment, the harness's src/ on PYTHONPATH."""
     environ = dict(os.environ)
     try:
         env = environments.load_envs(repo_root())[ENV]
@@ -39,4 +45,4 @@ def run(session: NoxSession, argv: list[str]) -> None:
         **built.environment,
         "PYTHONPATH": os.pathsep.join(p for p in (src, environ.get("PYTHONPATH")) if p),
     }
-    session.run(str(built.python), "-m", "glm5_matrix.cli", *argv, env=run_env, external=True)
+    session.run(str(built.python), "-m", module, *argv, env=run_env, external=True)

@@ -10,30 +10,75 @@ occur exactly once) or passes the script arguments that apply the workaround (`a
 
 from __future__ import annotations
 
-import tomllib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from glm5_matrix.errors import UserError
+from glm5_matrix import contracts
+from glm5_matrix.contracts import Spec
+from glm5_matrix.errors import UserError, load_toml
 
 FOLDER = "upstream"
 FINDING_FILE = "finding.toml"
 PLATFORMS = ("cpu", "gpu")
-_FIELDS = {
-    "title",
-    "platform",
-    "script",
-    "args",
-    "timeout_s",
-    "found_by",
-    "vllm",
-    "sources",
-    "workaround",
-    "upstream",
-    "control",
-}
-_CONTROL_FIELDS = {"name", "description", "file", "old", "new", "args"}
+
+
+def _control_rules(raw: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
+    patch = [raw.get(key) for key in ("file", "old", "new")]
+    if any(p is not None for p in patch) and not all(p is not None for p in patch):
+        yield "", "a patch needs file, old and new"
+    elif patch[0] is None and not raw.get("args"):
+        yield "", "a control patches a file (file, old, new) or passes args"
+    elif patch[1] is not None and patch[1] == patch[2]:
+        yield "new", "old and new are the same text"
+
+
+def _finding_rules(raw: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
+    if raw["platform"] == "cpu" and not raw.get("control"):
+        yield "control", "a CPU reproduction needs a defect-absent [[control]]"
+
+
+def _text(doc: str, required: bool = False, default: Any = contracts.MISSING) -> Spec:
+    return Spec("str", doc, required=required, nonempty=True, default=default)
+
+
+CONTROL = contracts.table(
+    {
+        "name": _text("the control's name", required=True),
+        "description": _text("what it changes", required=True),
+        "file": _text("a path under site-packages, e.g. vllm/utils/network_utils.py"),
+        "old": _text("the text replaced (it must occur exactly once)"),
+        "new": _text("what replaces it"),
+        "args": contracts.strings("the script's arguments that apply the workaround"),
+    },
+    "a defect-absent run: the reproduction must report 'not reproduced'",
+    rules=(_control_rules,),
+    rules_say=("It patches a file (file, old and new, old != new) or passes args, or both.",),
+)
+FINDING = contracts.table(
+    {
+        "title": _text("the defect, in one line", required=True),
+        "platform": Spec(
+            "str",
+            "where the reproduction runs (cpu: nox -s upstream)",
+            required=True,
+            choices=PLATFORMS,
+        ),
+        "script": _text("the reproduction, in the finding's folder", default="repro.py"),
+        "args": contracts.strings("the script's arguments"),
+        "timeout_s": Spec("number", "the longest a run may take (seconds)", default=600, above=0),
+        "found_by": _text("the matrix test that found it", required=True),
+        "vllm": contracts.strings("the vLLM versions it was seen on"),
+        "sources": contracts.strings("the vLLM sources that cause it"),
+        "workaround": _text("the harness's workaround"),
+        "upstream": _text("the vLLM issue or PR"),
+        "control": Spec("list", "[[control]] entries", items=CONTROL, unique_by="name", default=[]),
+    },
+    "upstream/NAME/finding.toml: one vLLM defect the matrix found",
+    rules=(_finding_rules,),
+    rules_say=("A cpu finding needs a [[control]].",),
+)
 
 
 @dataclass(frozen=True)
@@ -71,82 +116,34 @@ class Finding:
         return self.folder / self.script
 
 
-def _strings(value: Any, where: str) -> tuple[str, ...]:
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise UserError(f"{where}: must be a list of strings")
-    return tuple(value)
-
-
-def _text(raw: dict[str, Any], key: str, where: str, default: str | None = None) -> str:
-    value = raw.get(key, default)
-    if not isinstance(value, str) or not value:
-        raise UserError(f"{where}: {key} must be a non-empty string")
-    return value
-
-
-def parse_control(raw: Any, where: str) -> Control:
-    if not isinstance(raw, dict):
-        raise UserError(f"{where}: a [[control]] must be a table")
-    unknown = set(raw) - _CONTROL_FIELDS
-    if unknown:
-        raise UserError(f"{where}: unknown field(s) {sorted(unknown)}")
-    patch = [raw.get(k) for k in ("file", "old", "new")]
-    if any(p is not None for p in patch) and not all(isinstance(p, str) and p for p in patch):
-        raise UserError(f"{where}: a patch needs file, old and new, all non-empty strings")
-    args = _strings(raw.get("args", []), f"{where}: args")
-    if patch[0] is None and not args:
-        raise UserError(f"{where}: a control patches a file (file, old, new) or passes args")
-    if patch[1] is not None and patch[1] == patch[2]:
-        raise UserError(f"{where}: old and new are the same text")
-    return Control(
-        name=_text(raw, "name", where),
-        description=_text(raw, "description", where),
-        file=patch[0],
-        old=patch[1],
-        new=patch[2],
-        args=args,
-    )
-
-
 def parse_finding(name: str, folder: Path, raw: dict[str, Any], where: str) -> Finding:
-    unknown = set(raw) - _FIELDS
-    if unknown:
-        raise UserError(f"{where}: unknown field(s) {sorted(unknown)}")
-    platform = _text(raw, "platform", where)
-    if platform not in PLATFORMS:
-        raise UserError(f"{where}: platform {platform!r} is not one of {', '.join(PLATFORMS)}")
-    timeout = raw.get("timeout_s", 600)
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
-        raise UserError(f"{where}: timeout_s must be a positive number")
-    controls_raw = raw.get("control", [])
-    if not isinstance(controls_raw, list):
-        raise UserError(f"{where}: control must be an array of tables ([[control]])")
-    controls = tuple(
-        parse_control(c, f"{where} [[control]] #{i + 1}") for i, c in enumerate(controls_raw)
-    )
-    if platform == "cpu" and not controls:
-        raise UserError(f"{where}: a CPU reproduction needs a defect-absent [[control]]")
-    if len({c.name for c in controls}) != len(controls):
-        raise UserError(f"{where}: two controls share a name")
-    workaround = raw.get("workaround")
-    upstream = raw.get("upstream")
-    for key, value in (("workaround", workaround), ("upstream", upstream)):
-        if value is not None and not (isinstance(value, str) and value):
-            raise UserError(f"{where}: {key} must be a non-empty string")
+    """A finding from its parsed finding.toml (FINDING); `where` names it in errors."""
+    contracts.raise_for(where, contracts.problems(raw, FINDING))
+    raw = contracts.with_defaults(dict(raw), FINDING)
     return Finding(
         name=name,
         folder=folder,
-        title=_text(raw, "title", where),
-        platform=platform,
-        script=_text(raw, "script", where, "repro.py"),
-        args=_strings(raw.get("args", []), f"{where}: args"),
-        timeout_s=float(timeout),
-        found_by=_text(raw, "found_by", where),
-        vllm=_strings(raw.get("vllm", []), f"{where}: vllm"),
-        sources=_strings(raw.get("sources", []), f"{where}: sources"),
-        workaround=workaround,
-        upstream=upstream,
-        controls=controls,
+        title=raw["title"],
+        platform=raw["platform"],
+        script=raw["script"],
+        args=tuple(raw.get("args", ())),
+        timeout_s=float(raw["timeout_s"]),
+        found_by=raw["found_by"],
+        vllm=tuple(raw.get("vllm", ())),
+        sources=tuple(raw.get("sources", ())),
+        workaround=raw.get("workaround"),
+        upstream=raw.get("upstream"),
+        controls=tuple(
+            Control(
+                name=c["name"],
+                description=c["description"],
+                file=c.get("file"),
+                old=c.get("old"),
+                new=c.get("new"),
+                args=tuple(c.get("args", ())),
+            )
+            for c in raw["control"]
+        ),
     )
 
 
@@ -155,10 +152,7 @@ def load_findings(root: Path) -> list[Finding]:
     base = root / FOLDER
     found = []
     for path in sorted(base.glob(f"*/{FINDING_FILE}")):
-        try:
-            raw = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise UserError(f"{path}: {exc}") from None
+        raw = load_toml(path, "finding")
         finding = parse_finding(path.parent.name, path.parent, raw, str(path))
         if not finding.script_path.is_file():
             raise UserError(f"{path}: script {finding.script} not found")

@@ -39,6 +39,7 @@ import random
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 # The fewest values a row may have: the rule needs j >= 1 excess over a threshold below it.
 MIN_ROW = 2
@@ -75,11 +76,10 @@ class Budget:
         return self.per_cell / (2 * self.comparisons)
 
     @classmethod
-    def from_table(cls, tolerances: dict) -> Budget:
-        for key in ("false_red_per_cell", "comparisons_per_cell"):
-            if key not in tolerances:
-                raise KeyError(f"the profile's tolerances lack {key!r}")
-        return cls(float(tolerances["false_red_per_cell"]), int(tolerances["comparisons_per_cell"]))
+    def of(cls, tolerances: Any) -> Budget:
+        """The budget a profile's tolerances give (glm5_matrix.matrix.tolerances.Tolerances:
+        false_red_per_cell, comparisons_per_cell)."""
+        return cls(float(tolerances.false_red_per_cell), int(tolerances.comparisons_per_cell))
 
 
 # --- the tolerance --------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from glm5_matrix.matrix.tolerances import Tolerances
 from glm5_matrix.results.recorder import record_figure, record_outputs
 from glm5_matrix.verdicts import compare, false_red
 from glm5_matrix.verdicts.compare import (
@@ -39,10 +40,6 @@ from glm5_matrix.verdicts.compare import (
 
 # Candidates per step kept for the rule (each side's token must be among the other's).
 TOP_LOGPROBS = 5
-# The fewest reference runs a profile may ask for: the leave-one-out measurement of the rule's
-# false-red rate holds one run out and builds the tolerance from a row of at least two of the
-# others (false_red.MIN_RUNS_LEFT).
-MIN_REFERENCE_REPEATS = false_red.MIN_RUNS_LEFT
 AGREEMENT, TOKENS, TOKENS_ALONG_PATH = "agreement", "tokens", "tokens_along_path"
 
 # What the figures call the device the runs were measured on (a GPU model or a CPU's name);
@@ -436,30 +433,25 @@ def _check_decisive(name: str, output: Scored, what: str, step: float, minimum: 
     record_figure(f"{name}.exact_ties", decisive.ties, unit="steps")
 
 
-def repeated(name: str, runs: list[Any], names_prefix: str, tolerances: dict) -> Comparison:
+def repeated(name: str, runs: list[Any], names_prefix: str, tolerances: Tolerances) -> Comparison:
     """The reference done N = len(runs) >= 2 times: every pair compared (compare.noise_spread),
     the distribution recorded, and the tolerance taken from reference #1's row at the
-    comparison's false-red share. `tolerances` is a profile table with min_distinct_tokens (the
-    first run must vary that much), min_median_margin_steps (its greedy choices must win by
-    that median margin), min_power (what every control of the comparison must reach), and
-    false_red_per_cell and comparisons_per_cell (the cell's false-red budget and how many judged
-    comparisons share it: false_red.Budget). Runs are named "PREFIX #1" .. "PREFIX #N" in
-    messages; runs[0] is reference #1, the one runs under test are judged against."""
-    for key in ("min_distinct_tokens", "min_median_margin_steps", "min_power"):
-        if key not in tolerances:
-            raise KeyError(f"{name}: the profile's tolerances lack {key!r}")
-    min_power = float(tolerances["min_power"])
-    if not min_power > 1.0:
-        raise ValueError(f"{name}: min_power {min_power} must be > 1")
-    budget = false_red.Budget.from_table(tolerances)
+    comparison's false-red share. `tolerances` (the profile's, ranges checked when it was
+    loaded) gives min_distinct_tokens (the first run must vary that much),
+    min_median_margin_steps (its greedy choices must win by that median margin), min_power (what
+    every control of the comparison must reach), and false_red_per_cell and
+    comparisons_per_cell (the cell's false-red budget and how many judged comparisons share it:
+    false_red.Budget). Runs are named "PREFIX #1" .. "PREFIX #N" in messages; runs[0] is
+    reference #1, the one runs under test are judged against."""
+    budget = false_red.Budget.of(tolerances)
     names = [f"{names_prefix} #{i + 1}" for i in range(len(runs))]
     record_outputs(f"{name}.{_slug(names_prefix)}", runs)
-    compare.assert_varies(runs[0].token_ids, int(tolerances["min_distinct_tokens"]), names[0])
+    compare.assert_varies(runs[0].token_ids, tolerances.min_distinct_tokens, names[0])
     floor = compare.noise_spread(runs, names, budget.share)
     _record_floor(name, floor)
-    minimum = float(tolerances["min_median_margin_steps"])
+    minimum = float(tolerances.min_median_margin_steps)
     _check_decisive(name, runs[0], names[0], floor.step, minimum)
-    return Comparison(name, floor, min_power, tuple(runs))
+    return Comparison(name, floor, float(tolerances.min_power), tuple(runs))
 
 
 def _slug(text: str) -> str:
@@ -470,21 +462,16 @@ def reference_runs(
     engine: Any,
     prompt: list[int],
     max_tokens: int,
-    tolerances: dict[str, Any],
+    tolerances: Tolerances,
     names_prefix: str = "cold",
     reset: Callable[[], object] | None = None,
 ) -> list[Scored]:
     """`prompt` on a running glm5_matrix.engines.client.Engine from an empty prefix cache (emptied
     by `reset`, default the engine's reset_prefix_cache), done the profile's reference_repeats
-    times; every run must be cold."""
-    repeats = int(tolerances["reference_repeats"])
-    if repeats < MIN_REFERENCE_REPEATS:
-        raise ValueError(
-            f"reference_repeats = {repeats}; at least {MIN_REFERENCE_REPEATS} runs are needed "
-            "to measure the rule's false-red rate (one held out, a row of two for the rest)"
-        )
+    times (at least four, so that one can be held out: Tolerances refuses fewer when the
+    profile is loaded); every run must be cold."""
     runs: list[Scored] = []
-    for i in range(repeats):
+    for i in range(tolerances.reference_repeats):
         if reset is None:
             assert engine.reset_prefix_cache(), "reset_prefix_cache() refused"
         else:
@@ -502,7 +489,7 @@ def reference_repeated(
     prompt: list[int],
     max_tokens: int,
     name: str,
-    tolerances: dict[str, Any],
+    tolerances: Tolerances,
     names_prefix: str = "cold",
     reset: Callable[[], object] | None = None,
 ) -> tuple[Scored, Comparison]:
@@ -525,7 +512,7 @@ def first_step(output: Scored) -> GreedyOutput:
 
 
 def prefill_step(
-    name: str, runs: list[Any], names_prefix: str, tolerances: dict[str, Any], step: float
+    name: str, runs: list[Any], names_prefix: str, tolerances: Tolerances, step: float
 ) -> Comparison:
     """The reference runs (repeated() has judged them whole) compared at their first step
     alone, the prefill's own output: the noise of that step as a distribution over every pair,
@@ -535,10 +522,10 @@ def prefill_step(
     indexer's top-k at every step), which a comparison of the whole run must allow for."""
     names = [f"{names_prefix} #{i + 1}" for i in range(len(runs))]
     firsts = [first_step(r) for r in runs]
-    share = false_red.Budget.from_table(tolerances).share
+    share = false_red.Budget.of(tolerances).share
     floor = dataclasses.replace(compare.noise_spread(firsts, names, share), step=step)
     _record_floor(name, floor)
-    return Comparison(name, floor, float(tolerances["min_power"]), tuple(firsts))
+    return Comparison(name, floor, float(tolerances.min_power), tuple(firsts))
 
 
 def runner_up_control(
@@ -559,13 +546,3 @@ def runner_up_control(
     record_figure(f"{comparison.name}.control_step", step)
     assert engine.reset_prefix_cache(), "reset refused"
     return engine.generate_scored(prompt, max_tokens, TOP_LOGPROBS, logit_bias={token: -100.0})
-
-
-def compared_runs(tolerances: dict[str, Any]) -> int:
-    """How many runs of a compared path a suite draws (the profile's compared_runs, default 1):
-    the first is judged, the others are compared with the reference path's own runs (a
-    finding when the path is noisier), never judged one by one (each would spend the budget)."""
-    count = int(tolerances.get("compared_runs", 1))
-    if count < 1:
-        raise ValueError(f"compared_runs = {count}: at least the judged run")
-    return count

@@ -94,12 +94,15 @@ def _env_file(tmp_path: Path, body: str) -> Path:
 @pytest.mark.parametrize(
     ("body", "message"),
     [
-        ('description = "d"\nrequirements = "pytest"\n', "requirements: expected list"),
-        ('description = "d"\nflavour = 1\n', "flavour: unknown field"),
+        ('description = "d"\nrequirements = "pytest"\n', "requirements: must be a list"),
+        ('description = "d"\nflavour = 1\n', "flavour: unknown key"),
+        ('description = "d"\nrequirement = []\n', "requirement: unknown key; did you mean 'requ"),
         ("requirements = []\n", "description: missing"),
-        ('description = "d"\nrequirements = ["==1"]\n', "is not a requirement"),
-        ('description = "d"\n[environment]\nX = 1\n', "environment.X: values are strings"),
+        ('description = "d"\nrequirements = ["==1"]\n', "requirements #1: '==1' is not a requ"),
+        ('description = "d"\n[environment]\nX = 1\n', "environment.X: must be a string"),
         ('description = "d"\nrequirements = [\n', "not valid TOML"),
+        ('description = "d"\n[torch_index]\nurl = "u"\nname = "n"\n', "torch_index: needs an"),
+        ('description = "d"\n[torch_index]\nurl = "u"\n', "torch_index.name: missing"),
     ],
 )
 def test_malformed_definition_names_file_and_field(tmp_path, body, message):

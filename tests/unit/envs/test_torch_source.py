@@ -164,7 +164,7 @@ def test_torch_index_needs_an_exact_torch(tmp_path):
     (tmp_path / "envs").mkdir()
     path = tmp_path / "envs" / "t.toml"
     path.write_text('description = "d"\nrequirements = ["torch>=2"]\n[torch_index]\nurl = "u"\n')
-    with pytest.raises(UserError, match=r"torch_index\.name: expected a non-empty string"):
+    with pytest.raises(UserError, match=r"torch_index\.name: missing \(required\)"):
         environments.load_env(path)
     path.write_text(path.read_text() + 'name = "n"\n')
     with pytest.raises(UserError, match="needs an exact torch requirement"):
@@ -192,6 +192,31 @@ def test_pip_configuration_is_read_from_pip_itself(tmp_path):
         (folders["index"].as_uri(), "pip config global.extra-index-url"),
     ]
     assert torch_source.pip_sources(torch_source.pip_configuration(hidden_pip())) == []
+
+
+@pytest.mark.skipif(not HAS_PIP, reason="pip is not installed in this interpreter")
+def test_pip_configuration_falls_back_to_the_pip_on_path(tmp_path, monkeypatch):
+    """nox run by `uvx` runs in a tool environment without pip: the pip on PATH reads the same
+    configuration (before, the cpu environment's torch source was missed and the README's
+    quickstart stopped at 'pip on this machine names no source that holds it')."""
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    real = sys.executable  # this interpreter's pip, as a `pip` on PATH
+    monkeypatch.setattr(sys, "executable", str(bare / "bin" / "python"))
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "pip").write_text(f'#!/bin/sh\nexec "{real}" -m pip "$@"\n')
+    (bin_dir / "pip").chmod(0o755)
+    pip_dir = str(bin_dir)
+    found = torch_source.pip_sources(
+        torch_source.pip_configuration(hidden_pip(PIP_FIND_LINKS=str(wheels), PATH=pip_dir))
+    )
+    assert [(s.url, s.origin) for s in found] == [(str(wheels), "pip config :env:.find-links")]
+    # The control: no pip on PATH either, so nothing names the folder.
+    nothing = hidden_pip(PIP_FIND_LINKS=str(wheels), PATH=str(tmp_path / "empty"))
+    assert torch_source.pip_configuration(nothing) == {}
 
 
 # --- real uv against a local index laid out like PyTorch's -------------------------------------

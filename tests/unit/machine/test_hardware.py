@@ -13,12 +13,22 @@ from glm5_matrix.machine.hardware import (
     Topology,
     bound_by_visible,
     check,
+    check_override,
     detect,
     parse_query,
     parse_topology,
     read_topology,
     strict,
 )
+
+
+def test_a_malformed_override_is_refused_before_detection() -> None:
+    check_override({})  # unset: nvidia-smi decides, later
+    check_override({"GLM5_MATRIX_GPUS": ""})  # no GPU
+    check_override({"GLM5_MATRIX_GPUS": "9.0,8.9"})
+    with pytest.raises(UserError) as raised:
+        check_override({"GLM5_MATRIX_GPUS": "abc"})
+    assert str(raised.value) == "GLM5_MATRIX_GPUS='abc': 'abc' is not a compute capability like 9.0"
 
 
 @pytest.mark.parametrize(

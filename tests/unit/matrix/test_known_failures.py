@@ -73,13 +73,15 @@ def test_xfail_only_while_vllm_predates_the_fix(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("[[failure]]\ntest = 1\n", "`test` must be a non-empty string"),
-        (ENTRY.replace('fixed_in = "0.34.0"', 'fixed_in = "soon"'), "is not a vLLM version"),
-        (ENTRY.replace("test_bug.py::", "test_bug.py:"), "must be a pytest node id"),
-        (ENTRY + "colour = 1\n", "unknown field(s) ['colour']"),
-        (ENTRY + 'guard = "yes"\n', "`guard` must be true or false"),
-        ("[other]\n", "unknown table(s) ['other']"),
+        ("[[failure]]\ntest = 1\n", "failure #1.test: must be a string, not an integer (1)"),
+        (ENTRY.replace('fixed_in = "0.34.0"', 'fixed_in = "soon"'), "'soon' is not a vLLM version"),
+        (ENTRY.replace("test_bug.py::", "test_bug.py:"), "must be a pytest node id (path::name)"),
+        (ENTRY + "colour = 1\n", "failure #1.colour: unknown key (known: cells, fix, "),
+        (ENTRY + "reasn = 1\n", "failure #1.reasn: unknown key; did you mean 'reason'?"),
+        (ENTRY + 'guard = "yes"\n', "failure #1.guard: must be true or false, not a string"),
+        ("[other]\n", "other: unknown key (known: failure)"),
         ("[[failure]\n", "not valid TOML"),
+        ('[[failure]]\ntest = "a::b"\nupstream = "u"\n', "failure #1.reason: missing (required)"),
     ],
 )
 def test_malformed_registry_is_one_clear_error(tmp_path: Path, text: str, message: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import textwrap
 from pathlib import Path
 
@@ -130,40 +131,115 @@ tests = ["tests/suites/test_e2e.py"]
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (lambda s: s + "gpus = 'two'\n", r"cells\.x\.gpus: expected int"),
-        (lambda s: s + "colour = 'red'\n", r"cells\.x\.colour: unknown field"),
-        (lambda s: s.replace('suite = "e2e"', 'suite = "soak"'), r"cells\.x\.suite"),
-        (lambda s: s.replace('env = "cpu"', 'env = "rocm"'), r"cells\.x\.env: 'rocm'"),
+        (
+            lambda s: s + "gpus = 'two'\n",
+            r"cells\.x\.gpus: must be an integer, not a string \('two'\)$",
+        ),
+        (lambda s: s + "colour = 'red'\n", r"cells\.x\.colour: unknown key \(known: axis, "),
+        (lambda s: s + "gpu = 1\n", r"cells\.x\.gpu: unknown key; did you mean 'gpus'\?$"),
+        (lambda s: s.replace('suite = "e2e"', 'suite = "soak"'), r"cells\.x\.suite: 'soak' is not"),
+        (lambda s: s.replace('suite = "e2e"', 'suite = "e2"'), r"did you mean 'e2e'\?$"),
+        (lambda s: s.replace('env = "cpu"', 'env = "rocm"'), r"cells\.x\.env: 'rocm' has no envs/"),
+        (
+            lambda s: s.replace('env = "cpu"', 'env = "cpus"'),
+            r"envs/cpus\.toml; did you mean 'cpu'",
+        ),
+        (lambda s: s.replace('env = "cpu"\n', ""), r"cells\.x\.env: missing \(or an axis"),
         (lambda s: s.replace('description = "d"\n', ""), r"cells\.x\.description: missing"),
-        (lambda s: s + "tp = 2\ngpus = 1\n", r"cells\.x\.tp"),
+        (lambda s: s + "tp = 2\ngpus = 1\n", r"cells\.x\.tp: 2 must be at most gpus \(1\)"),
+        (lambda s: s + "tp = 0\n", r"cells\.x\.tp: must be >= 1, not 0"),
+        (lambda s: s + "gpus = -1\n", r"cells\.x\.gpus: must be >= 0, not -1"),
         (lambda s: s + "min_compute_capability = '9'\ngpus = 1\n", r"min_compute_capability"),
+        (lambda s: s + "min_compute_capability = '9.0'\n", r"set, but the cell needs no GPU"),
         (lambda s: s + "axis = { name = 'moe', values = [] , tag_prefix = 'm'}\n", r"axis\.values"),
         (lambda s: s + "axis = { name = 'moe', values = ['a'] }\n", r"axis\.tag_prefix: missing"),
+        (lambda s: s + "axis = { name = 'm', values = ['a b'], tag_prefix = 'm' }\n", r"'a b'"),
         (lambda s: s + "commands = [['ruff']]\n", r"exactly one of tests or commands"),
         (lambda s: s + "[", r"not valid TOML"),
         (lambda s: s + "timeout_minutes = 0\n", r"cells\.x\.timeout_minutes: must be >= 1"),
-        (lambda s: s + "timeout_minutes = '1h'\n", r"cells\.x\.timeout_minutes: expected int"),
-        (lambda s: s + "guards = ['csrc/moe/']\n", r"cells\.x\.guards: 'csrc/moe/' is not a vLLM"),
-        (lambda s: s + "guards = ['vllm/v1/**']\n", r"cells\.x\.guards: 'vllm/v1/\*\*'"),
+        (lambda s: s + "timeout_minutes = '1h'\n", r"cells\.x\.timeout_minutes: must be an int"),
+        (
+            lambda s: s + "guards = ['csrc/moe/']\n",
+            r"cells\.x\.guards #1: 'csrc/moe/' is not a vLLM",
+        ),
+        (lambda s: s + "guards = ['vllm/v1/**']\n", r"cells\.x\.guards #1: 'vllm/v1/\*\*'"),
         (lambda s: s + "guards = ['vllm/../etc/']\n", r"is not a vLLM source path"),
-        (lambda s: s + "guards = ['vllm/a.py', 'vllm/a.py']\n", r"listed twice"),
+        (lambda s: s + "guards = ['vllm/a.py', 'vllm/a.py']\n", r"'vllm/a\.py' is listed twice"),
         (
             lambda s: s + "guard_sets = ['nope']\n",
             r"cells\.x\.guard_sets: no \[guard_sets\] 'nope'",
         ),
         (lambda s: s + "axis_guards.a = ['vllm/a.py']\n", r"axis_guards\.a: not an axis value"),
-        (lambda s: s + "cores = [0, 0]\n", r"cells\.x\.cores: expected distinct core numbers"),
-        (lambda s: s + "cores = [-1]\n", r"cells\.x\.cores: expected distinct core numbers"),
-        (lambda s: s + "cores = ['0']\n", r"cells\.x\.cores: expected distinct core numbers"),
-        (lambda s: s + "cores = 1\n", r"cells\.x\.cores: expected list"),
+        (lambda s: s + "cores = [0, 0]\n", r"cells\.x\.cores: 0 is listed twice"),
+        (lambda s: s + "cores = [-1]\n", r"cells\.x\.cores #1: must be >= 0, not -1"),
+        (lambda s: s + "cores = ['0']\n", r"cells\.x\.cores #1: must be an integer, not a str"),
+        (lambda s: s + "cores = 1\n", r"cells\.x\.cores: must be a list, not an integer \(1\)"),
+        (lambda s: s + "reads = ['../x']\n", r"cells\.x\.reads #1: '\.\./x' is not a path inside"),
+        (lambda s: s + "profile = 'tiny-hybrid'\n", r"profile: 'tiny-hybrid' has no profiles/"),
+        (lambda s: s.replace("[cells.x]", "[cells.X]"), r"cells\.X: the name must be lower-case"),
+        (
+            lambda s: s + "[other]\n",
+            r"matrix\.toml: other: unknown key \(known: cells, guard_sets\)",
+        ),
     ],
 )
 def test_malformed_matrix_names_file_and_field(tmp_path, edit, message):
     path = _write(tmp_path, edit(GOOD_CELL))
     with pytest.raises(UserError, match=message) as info:
-        load_matrix(path, known_envs=ENVS)
-    assert str(path) in str(info.value)
+        load_matrix(path, known_envs=ENVS, known_profiles={"tiny-hybrid-cpu"})
+    assert str(info.value).startswith(f"{path}: ")
     assert "\n" not in str(info.value)
+
+
+def test_every_problem_of_a_file_is_a_line_of_its_own(tmp_path):
+    path = _write(tmp_path, GOOD_CELL + "gpu = 1\ntimeout_minutes = 0\n[cells.y]\nsuite = 'e2e'\n")
+    with pytest.raises(UserError) as info:
+        load_matrix(path, known_envs=ENVS)
+    assert str(info.value).splitlines() == [
+        f"{path}: cells.x.gpu: unknown key; did you mean 'gpus'?",
+        f"{path}: cells.x.timeout_minutes: must be >= 1, not 0",
+        f"{path}: cells.y.description: missing (required)",
+    ]
+
+
+def test_a_profile_misspelled_in_the_matrix_is_refused_at_load(tmp_path):
+    """It passed `nox -l` and the plan before (issue 49): the runner's load names the profiles
+    there are, so the typo is one line before any session is listed."""
+    from glm5_matrix.matrix.profiles import profile_names
+    from glm5_matrix.sessions import runner
+
+    root = tmp_path / "checkout"
+    shutil.copytree(ROOT / "envs", root / "envs")
+    shutil.copytree(ROOT / "profiles", root / "profiles")
+    text = (ROOT / "matrix.toml").read_text()
+    assert 'profile = "tiny-hybrid-cpu"' in text
+    (root / "matrix.toml").write_text(
+        text.replace('profile = "tiny-hybrid-cpu"', 'profile = "tiny-hybird-cpu"', 1)
+    )
+    with pytest.raises(UserError) as info:
+        runner.load(root)
+    (line,) = str(info.value).splitlines()
+    assert line.endswith(
+        "profile: 'tiny-hybird-cpu' has no profiles/tiny-hybird-cpu/profile.toml; did you mean "
+        "'tiny-hybrid-cpu'?"
+    )
+    assert "tiny-hybrid-cpu" in profile_names()
+
+
+@pytest.mark.parametrize("kind", ["folder", "binary"])
+def test_a_matrix_path_that_is_no_text_file_is_one_line(tmp_path, kind):
+    path = tmp_path / "matrix.toml"
+    if kind == "folder":
+        path.mkdir()
+    else:
+        path.write_bytes(bytes(range(256)))
+    before = sorted(tmp_path.rglob("*"))
+    with pytest.raises(UserError) as info:
+        load_matrix(path)
+    said = {"folder": "a folder, not a matrix file", "binary": "not a text file"}[kind]
+    assert str(info.value).startswith(f"{path}: {said}")
+    assert "\n" not in str(info.value)
+    assert sorted(tmp_path.rglob("*")) == before  # nothing created
 
 
 def test_missing_matrix_file(tmp_path):

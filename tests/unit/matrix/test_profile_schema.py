@@ -28,9 +28,15 @@ def test_every_bundled_profile_is_well_formed(name: str) -> None:
 def test_a_typo_is_named_with_the_keys_known_there() -> None:
     data = _data("glm-5.3-flash-4l")
     data["tolerances"]["min_powr"] = 2.0
-    (problem,) = profile_schema.problems(data)
-    assert problem.startswith("unknown key 'tolerances.min_powr' (known here: ")
-    assert "min_power" in problem
+    assert profile_schema.problems(data) == [
+        "tolerances.min_powr: unknown key; did you mean 'min_power'?"
+    ]
+    data["tolerances"]["colour"] = 1  # near to nothing: the keys known there are listed
+    assert profile_schema.problems(data)[1] == (
+        "tolerances.colour: unknown key (known: checkpoint_page_rel, compared_runs, "
+        "comparisons_per_cell, control_changed_blocks, false_red_per_cell, "
+        "min_distinct_tokens, min_median_margin_steps, min_power, reference_repeats)"
+    )
 
 
 def test_wrong_types_missing_tables_and_keys_are_each_a_line() -> None:
@@ -40,13 +46,18 @@ def test_wrong_types_missing_tables_and_keys_are_each_a_line() -> None:
     data["pd"]["tolerances"].pop("reference_repeats")
     data["noise"] = 3
     del data["weights"]
+    data["pd"]["request_timeout_s"] = 0
+    data["weights"] = {"default": "randm"}
     assert profile_schema.problems(data) == [
-        "prompts.max_tokens must be int, not str ('24')",
-        "tolerances.min_power must be number, not bool (True)",
-        "noise must be a table, not int",
-        "[weights] is missing",
-        "[pd.tolerances] lacks 'reference_repeats'",
+        "prompts.max_tokens: must be an integer, not a string ('24')",
+        "tolerances.min_power: must be a number, not a boolean (true)",
+        "noise: must be a table, not an integer (3)",
+        "pd.request_timeout_s: must be > 0, not 0",
+        "pd.tolerances.reference_repeats: missing (required)",
+        "weights.default: 'randm' is not one of random, generated, dummy; did you mean 'random'?",
     ]
+    del data["weights"]
+    assert "weights: missing (a required table)" in profile_schema.problems(data)
 
 
 def test_open_tables_take_any_key() -> None:
@@ -68,7 +79,9 @@ def test_load_profile_refuses_a_bad_profile_in_one_line(
         load_profile("bad")
     message = str(raised.value)
     assert "\n" not in message
-    assert message == f"{folder / 'profile.toml'}: prompts.max_tokens must be int, not float (2.5)"
+    assert message == (
+        f"{folder / 'profile.toml'}: prompts.max_tokens: must be an integer, not a float (2.5)"
+    )
 
 
 def _profile(root: Path, name: str, text: str) -> Path:

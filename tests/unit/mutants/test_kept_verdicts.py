@@ -1,7 +1,7 @@
 """The GPU half of the catalogue, kept (glm5_matrix.results.gpu_verdicts): the repository's file
 loads and names catalogue entries of GPU cells; a bad entry is one line; a GPU run's verdicts are
-kept (model, vLLM, date, tests, control wall) and a CPU run writes nothing; the report and the
-catalogue's table show them."""
+kept (model, vLLM, date, tests, control wall) and a CPU run writes nothing; the report shows them
+(the docs site's table: tests/unit/docs/test_tables.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from scaffold import ROOT
 
 from glm5_matrix.errors import UserError
 from glm5_matrix.files import write_json_atomic
-from glm5_matrix.mutants import catalogue, record, table, verdicts
+from glm5_matrix.mutants import catalogue, record, verdicts
 from glm5_matrix.mutants.catalogue import Mutant
 from glm5_matrix.mutants.run import Outcome
 from glm5_matrix.report import mutants as report
@@ -70,12 +70,12 @@ def test_round_trip_and_update(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("entry", "message"),
     [
-        ({"colour": "red"}, "colour: unknown field"),
+        ({"colour": "red"}, r"verdict #1.colour: unknown key"),
         ({"status": "invalid"}, "is not one of"),
-        ({"date": "6 Dec"}, "is not YYYY-MM-DD"),
+        ({"date": "6 Dec"}, "must be YYYY-MM-DD"),
         ({"caught_by": []}, "names the tests that caught it"),
-        ({"gpu": ""}, "gpu: missing"),
-        ({"seconds": "fast"}, "seconds: wrong type"),
+        ({"gpu": ""}, "gpu: must not be empty"),
+        ({"seconds": "fast"}, "seconds: must be a number"),
     ],
 )
 def test_a_bad_entry_is_one_line(tmp_path: Path, entry: dict, message: str) -> None:
@@ -147,22 +147,3 @@ def test_the_report_shows_kept_verdicts_where_a_gpu_row_was_not_run_here() -> No
     assert "NVIDIA H200, vLLM 0.33.0, 2026-12-04 (nox -s mutants): **survived**" in text
     assert f"- {H100}: 1 of 1 judged caught" in text
     assert "- NVIDIA H200: 0 of 1 judged caught" in text
-
-
-def test_the_catalogue_table_merges_here_and_kept() -> None:
-    mutants = [
-        _mutant("cpu", "e2e-cpu"),
-        _mutant("gpu", "offload-tp1(simple)"),
-        _mutant("new", "x"),
-    ]
-    measured = {"cpu": {"name": "cpu", "status": "caught", "caught_by": ["test_a"]}}
-    text = table.table(mutants, [_kept("gpu")], measured)
-    assert "| `cpu` | `e2e-cpu` | area | `test_a` | caught by `test_a` |" in text
-    assert f"| `gpu` | `offload-tp1(simple)` | area | `test_a` | {H100}" in text
-    assert "| `new` | `x` | area | `test_a` | not run yet |" in text
-    assert "2 of 2 judged" in text
-
-
-def test_render_catalogue_reads_this_checkout() -> None:
-    text = table.render_catalogue(ROOT)
-    assert "| `mamba-v2-hit-state-from-previous-block` |" in text and H100 in text

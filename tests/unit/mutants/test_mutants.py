@@ -93,12 +93,14 @@ def test_a_good_entry_loads(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (('cell = "e2e-cpu"', 'cell = "nope"'), "not a variant of the matrix"),
-        (('patch = "p.patch"', 'patch = "missing.patch"'), "not found"),
-        (('area = "a"', 'area = "a"\ncolour = "red"'), "unknown field"),
-        (('name = "m-one"', 'name = "M one"'), "lower-case"),
-        (('select = "test_x"', "select = 3"), "expected str"),
-        (('area = "a"\n', ""), "area: missing"),
+        (('cell = "e2e-cpu"', 'cell = "nope"'), "cell: 'nope' is not a variant of the matrix"),
+        (('cell = "e2e-cpu"', 'cell = "e2e-cpux"'), "matrix; did you mean 'e2e-cpu'"),
+        (('patch = "p.patch"', 'patch = "missing.patch"'), "mutant 'm-one'.patch: .* not found"),
+        (('area = "a"', 'area = "a"\ncolour = "red"'), "mutant 'm-one'.colour: unknown key"),
+        (('area = "a"', 'area = "a"\nselcet = "x"'), "did you mean 'select'"),
+        (('name = "m-one"', 'name = "M one"'), "'M one': must be lower-case"),
+        (('select = "test_x"', "select = 3"), "select: must be a string, not an integer"),
+        (('area = "a"\n', ""), "mutant 'm-one'.area: missing"),
     ],
 )
 def test_a_bad_entry_is_one_clear_line(

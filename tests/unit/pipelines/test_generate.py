@@ -362,3 +362,21 @@ def test_the_pipeline_check_fails_a_workflow_only_actionlint_sees_broken(matrix)
     assert broken != good
     assert pipeline_checks.check({"github": broken}) == ["github: actionlint failed (exit 1)"]
     assert pipeline_checks.check({"github": good}) == []
+
+
+@pytest.mark.parametrize("kind", ["folder", "binary"])
+def test_a_matrix_that_is_no_text_file_is_one_line(tmp_path, kind):
+    """`--matrix` at a folder or a binary file was a traceback (issue 49): now one line, exit 2,
+    and nothing written."""
+    path = tmp_path / "matrix"
+    if kind == "folder":
+        path.mkdir()
+    else:
+        path.write_bytes(bytes(range(256)))
+    output = tmp_path / "pipeline.yml"
+    result = _cli("buildkite", "--matrix", str(path), "--output", str(output))
+    said = {"folder": "a folder, not a matrix file", "binary": "not a text file"}[kind]
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"glm5-matrix pipeline: error: {path}: {said}")
+    assert len(result.stderr.splitlines()) == 1 and "Traceback" not in result.stderr
+    assert not output.exists()

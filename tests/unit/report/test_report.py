@@ -50,7 +50,7 @@ def test_every_outcome_a_cell_can_have(built, matrix):
     assert status["pd-nixl-cpu"] == "interrupted: no results.json (the run ended early)"
     assert status["offload-tp1(simple)"] == "interrupted: signal SIGTERM"
     assert status["e2e-tp2(flashinfer)"] == "not run"
-    # The cell a lent runner cannot finish (fused_moe_90, README): never shown as verified.
+    # The cell a lent runner cannot finish (fused_moe_90, docs/kernel-cache.md): never shown as verified.
     assert status["e2e-tp1(flashinfer)"] == "not run"
     row = next(x for x in markdown.markdown(built).splitlines() if "`e2e-tp1(flashinfer)`" in x)
     assert "| not run |" in row and "passed" not in row

@@ -135,8 +135,10 @@ def test_a_finding_parses() -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"platform": "tpu"}, "platform"),
-        ({"colour": 1}, "unknown field"),
+        ({"platform": "tpu"}, "w: platform: 'tpu' is not one of cpu, gpu"),
+        ({"platform": "cpus"}, "did you mean 'cpu'"),
+        ({"colour": 1}, "w: colour: unknown key"),
+        ({"timout_s": 1}, "w: timout_s: unknown key; did you mean 'timeout_s'"),
         ({"control": []}, "needs a defect-absent"),
         ({"timeout_s": 0}, "timeout_s"),
         ({"control": [{"name": "c", "description": "d"}]}, "patches a file"),
@@ -145,7 +147,8 @@ def test_a_finding_parses() -> None:
             {"control": [{"name": "c", "description": "d", "file": "f", "old": "a", "new": "a"}]},
             "same",
         ),
-        ({"control": [GOOD["control"][0], GOOD["control"][0]]}, "share a name"),
+        ({"control": [GOOD["control"][0], GOOD["control"][0]]}, "name 'patched' is defined twice"),
+        ({"control": [{**GOOD["control"][0], "old": 1}]}, r"control 'patched'\.old: must be a str"),
         ({"title": ""}, "title"),
     ],
 )

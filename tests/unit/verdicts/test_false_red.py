@@ -10,6 +10,7 @@ import random
 
 import pytest
 
+from glm5_matrix.matrix.tolerances import Tolerances
 from glm5_matrix.verdicts import false_red
 
 STEP = 2.0**-7
@@ -27,16 +28,12 @@ def _runs(scales: list[float], rng: random.Random, elements: int = 40) -> list[l
 def test_the_budget_splits_the_cell_bound() -> None:
     budget = false_red.Budget(0.01, 10)
     assert budget.share == pytest.approx(0.0005)
-    assert (
-        false_red.Budget.from_table({"false_red_per_cell": 0.01, "comparisons_per_cell": 10})
-        == budget
-    )
+    tolerances = Tolerances(4, 12, 30, 2.0, false_red_per_cell=0.01, comparisons_per_cell=10)
+    assert false_red.Budget.of(tolerances) == budget
     with pytest.raises(ValueError, match="must be in"):
         false_red.Budget(1.5, 10)
     with pytest.raises(ValueError, match=">= 1"):
         false_red.Budget(0.01, 0)
-    with pytest.raises(KeyError, match="comparisons_per_cell"):
-        false_red.Budget.from_table({"false_red_per_cell": 0.01})
 
 
 @pytest.mark.parametrize(("values", "share"), [(29, 0.01), (5, 0.02), (11, 0.05)])

@@ -1,0 +1,1 @@
+"""The docs site's generated parts (tables rendered from the repository's data at build time)."""
