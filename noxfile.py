@@ -1,48 +1,63 @@
-"""glm5-matrix cells as nox sessions.
+"""glm5-matrix: the test matrix for GLM-5.3-Flash on vLLM. Each session below is a cell: a suite
+of tests in its own environment, on the hardware it names. A bare `nox` runs only `plan` (marked
+*): which cells this machine can run, starting nothing.
 
-Thin on purpose: the cells are data (matrix.toml), the logic is glm5_matrix.sessions.runner. Every
-session uses venv_backend="none" because the hardware preflight must run before any
-environment is built; the runner then builds the cell's own uv venv.
-
-    nox -l                       # the cells, one line each (--json for machines)
-    nox                          # what would run on this box (nothing heavy)
-    nox -s e2e-cpu               # a cell;  nox -s "e2e-tp1(deep_gemm)"  one of its variants
-    nox -t kv-simple             # cells by tag
-    nox -s e2e-tp1 -- --model /ckpt/GLM-5.3-Flash-4L --vllm 0.33.1 -k layout
-    nox -t gpu -j 8              # cells side by side, each on its own leased GPUs
-    nox -s report                # the matrix report from results/ (results/report/)
-    nox -s pipeline -- buildkite # a CI pipeline from the matrix (or -- github)
-
-    nox -s warm -- -t gpu        # compile what the GPU cells need into the kernel cache first
-
-Every cell allows nox's parallel mode (-j): a GPU cell leases its GPUs before it builds
-anything (glm5_matrix.machine.leases), so parallel cells never share one. plan, lock and bench run alone.
+    nox -s e2e-cpu                 one cell (no GPU needed)
+    nox -t cpu -j 2                every CPU cell, two at a time
+    nox -s report                  the report of results/ (results/report/report.html)
 """
+
+# For developers. Thin on purpose: the cells are data (matrix.toml), the logic is
+# glm5_matrix.sessions.runner. Every session uses venv_backend="none" because the hardware
+# preflight must run before any environment is built; the runner then builds the cell's own uv
+# venv. More commands:
+#
+#     nox -l --json                  the cells for machines (every one, with its tags)
+#     nox -s "e2e-tp1(deep_gemm)"    one variant of a cell;  nox -t kv-simple  cells by tag
+#     nox -s e2e-tp1 -- --model /ckpt/GLM-5.3-Flash-4L --vllm 0.33.1 -k layout
+#     nox -t gpu -j 8                cells side by side, each on its own leased GPUs
+#     nox -s pipeline -- buildkite   a CI pipeline from the matrix (or -- github)
+#     nox -s warm -- -t gpu          compile what the GPU cells need into the kernel cache first
+#
+# Every cell allows nox's parallel mode (-j): a GPU cell leases its GPUs before it builds
+# anything (glm5_matrix.machine.leases), so parallel cells never share one. plan, lock and bench
+# run alone.
 
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from pathlib import Path
 
-import nox
-
 sys.path.insert(0, str(Path(__file__).parent / "src"))
 
-from glm5_matrix.envs import environments
-from glm5_matrix.errors import UserError
-from glm5_matrix.machine import hardware, supervision
-from glm5_matrix.matrix.matrix import Cell, Matrix
-from glm5_matrix.sessions import runner, tools, warm
-from glm5_matrix.upstream import session as upstream_session
+# First, before anything that needs tomllib (Python 3.11): an older Python gets one line.
+import glm5_matrix
+
+_TOO_OLD = glm5_matrix.python_too_old(
+    shlex.join(["uvx", "--python", "3.11", "--from", "nox>=2026.8", "nox", *sys.argv[1:]])
+)
+if _TOO_OLD:
+    sys.exit(_TOO_OLD)
+
+import nox  # noqa: E402
+
+from glm5_matrix import cli  # noqa: E402
+from glm5_matrix.envs import environments  # noqa: E402
+from glm5_matrix.errors import UserError  # noqa: E402
+from glm5_matrix.machine import hardware, supervision  # noqa: E402
+from glm5_matrix.matrix.matrix import Cell, Matrix  # noqa: E402
+from glm5_matrix.sessions import runner, tools, warm  # noqa: E402
+from glm5_matrix.upstream import session as upstream_session  # noqa: E402
 
 # -j (cells side by side) came with nox 2026.08; an older nox refuses to run this file.
 nox.needs_version = ">=2026.8"
 
 nox.options.default_venv_backend = "none"
-# A bare `nox` only prints the plan. The default is left unset while listing, because nox's
-# `-l --json` reports only the selected sessions and must report every cell.
-if not {"-l", "--list", "--list-sessions", "--json"} & set(sys.argv):
+# A bare `nox` only prints the plan, and `nox -l` marks it (*) as what a bare `nox` runs. Not
+# under --json: nox's `-l --json` reports only the selected sessions, and must report every cell.
+if "--json" not in sys.argv:
     nox.options.sessions = ["plan"]
 nox.options.error_on_missing_interpreters = True
 # A signal to nox stops every cell and nox exits only once they are gone; a worker of `nox -j`
@@ -106,8 +121,7 @@ def lock(session: nox.Session) -> None:
 
 @nox.session(name="warm", tags=["meta"])
 def warm_session(session: nox.Session) -> None:
-    """Compile what the selected cells need into this machine's kernel cache (-- -t gpu, or cells;
-    --export FILE)."""
+    """Compile what cells need into the kernel cache: -- -t gpu, or -- CELL... [--export FILE]."""
     warm.run(session, MATRIX)
 
 
@@ -123,7 +137,7 @@ def bench(session: nox.Session) -> None:
 @nox.session(tags=["meta"])
 def report(session: nox.Session) -> None:
     """The matrix report from results/: report.md, report.html, junit.xml (-- --help)."""
-    tools.run(session, ["report", *session.posargs])
+    tools.run(session, ["report", *session.posargs], cli.build_parser())
 
 
 @nox.session(tags=["meta"])
@@ -138,8 +152,10 @@ def docs(session: nox.Session) -> None:
 
 @nox.session(tags=["meta"])
 def upstream(session: nox.Session) -> None:
-    """The vLLM defects the matrix found, reproduced on the CPU build: `reproduced` or `not
-    reproduced on vLLM X` each (-- --controls: also the defect-absent runs; -- NAME picks)."""
+    """The vLLM defects the matrix found, each reproduced on the CPU build (-- --controls, -- NAME).
+
+    Each says `reproduced` or `not reproduced on vLLM X`; --controls also runs the defect-absent
+    runs, NAME picks one."""
     upstream_session.run(session)
 
 
@@ -148,13 +164,14 @@ def pipeline(session: nox.Session) -> None:
     """A CI pipeline generated from matrix.toml: -- buildkite, or -- github [--output FILE]."""
     if not session.posargs:
         session.error("say which: nox -s pipeline -- buildkite (or github) [--output FILE]")
-    tools.run(session, ["pipeline", *session.posargs])
+    tools.run(session, ["pipeline", *session.posargs], cli.build_parser())
 
 
 @nox.session(tags=["meta"])
 def mutants(session: nox.Session) -> None:
-    """vLLM regressions planted in copies of the cells' environments: caught or survived
-    (mutants/catalogue.toml; -- --ci for the CI subset, --jobs N, --only NAME, --list)."""
+    """vLLM regressions planted in copies of the cells' environments, each caught or survived.
+
+    mutants/catalogue.toml; -- --ci for the CI subset, --jobs N, --only NAME, --list."""
     # The harness first, whatever PYTHONPATH already holds kept (a box's vLLM bundle on it).
     path = [str(Path(__file__).parent / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]
     session.run(

@@ -27,7 +27,29 @@ def write_json_atomic(path: Path, data: Any, compact: bool = False) -> None:
     write_atomic(path, text + "\n")
 
 
+ROOT_VARIABLE = "GLM5_MATRIX_ROOT"
+MATRIX_FILE = "matrix.toml"
+
+
 def repo_root() -> Path:
-    """The checkout holding matrix.toml, envs/ and profiles/ (GLM5_MATRIX_ROOT overrides)."""
-    override = os.environ.get("GLM5_MATRIX_ROOT")
-    return Path(override) if override else Path(__file__).resolve().parents[2]
+    """The checkout holding matrix.toml, envs/ and profiles/: GLM5_MATRIX_ROOT where set, else
+    the checkout this package is imported from (src/ on the path, an editable install), else
+    the nearest folder from the working directory up that holds a matrix.toml (a `glm5-matrix`
+    installed with `pip install .` or `uv tool install .`, run inside a checkout); a UserError,
+    one line, where there is none."""
+    override = os.environ.get(ROOT_VARIABLE)
+    if override:
+        return Path(override)
+    source = Path(__file__).resolve().parents[2]
+    if (source / MATRIX_FILE).is_file():
+        return source
+    here = Path.cwd()
+    for folder in (here, *here.parents):
+        if (folder / MATRIX_FILE).is_file():
+            return folder
+    from glm5_matrix.errors import UserError
+
+    raise UserError(
+        f"no glm5-matrix checkout here: no {MATRIX_FILE} in {here} or a folder above it "
+        f"(run inside a checkout, or set {ROOT_VARIABLE})"
+    )

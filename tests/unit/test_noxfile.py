@@ -50,6 +50,59 @@ def test_json_listing_has_every_cell_with_tags():
     assert all(entry["description"] for entry in listing.values())
 
 
+def test_listing_opens_with_what_it_is_and_marks_what_a_bare_nox_runs():
+    """`nox -l` prints the noxfile's docstring first: a short description for users (the
+    developers' notes are a comment). Its marks say what a bare `nox` runs: `* plan`, every
+    other session `-`; `-l --json` still lists every session."""
+    result = nox("-l")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("glm5-matrix: the test matrix for GLM-5.3-Flash on vLLM.")
+    intro = result.stdout[: result.stdout.index("Sessions defined in")]
+    assert len(intro.strip().splitlines()) <= 10
+    assert "Thin on purpose" not in result.stdout and "venv_backend" not in result.stdout
+    marked = [line for line in lines if line[:2] in ("* ", "- ")]
+    assert [line for line in marked if line.startswith("* ")] == [
+        next(line for line in marked if line.startswith("* plan "))
+    ]
+    listing = json.loads(nox("-l", "--json").stdout)
+    assert len(marked) == len(listing) >= 31
+    # each description is one whole sentence, not a docstring's first line cut mid-way
+    assert all(
+        entry["description"].rstrip().endswith((".", ")"))
+        for entry in listing
+        if "meta" in entry["tags"]
+    ), [entry["description"] for entry in listing if "meta" in entry["tags"]]
+
+
+def test_a_tool_sessions_help_and_bad_arguments_build_nothing(tmp_path):
+    """`nox -s report -- --help` built the 225 MB harness environment before it printed the
+    help. The tool sessions parse their arguments with the CLI's own parser, and check their
+    inputs, in nox's process first: help, an unknown option, a missing results folder and a
+    binary session list are answered without building anything."""
+    venvs = tmp_path / "venvs"
+    binary = tmp_path / "sessions.json"
+    binary.write_bytes(bytes(range(256)))
+    helped = nox("-s", "report", "--", "--help", GLM5_MATRIX_VENVS=str(venvs))
+    assert helped.returncode == 0, helped.stderr
+    assert "usage: glm5-matrix report" in helped.stdout
+    for args, expected in (
+        (
+            ("report", "--", "--frobnicate"),
+            "glm5-matrix: error: unrecognized arguments: --frobnicate",
+        ),
+        (("report", "--", str(tmp_path / "none")), "results folder not found"),
+        (("pipeline", "--", "github-matrix", str(binary)), "not nox's session list"),
+        (("pipeline", "--", "gitlab"), "invalid choice: 'gitlab'"),
+    ):
+        result = nox("-s", *args, GLM5_MATRIX_VENVS=str(venvs))
+        assert result.returncode != 0
+        errors = [line for line in result.stderr.splitlines() if "aborted" in line]
+        assert len(errors) == 1 and expected in errors[0], result.stderr
+        assert "Traceback" not in result.stderr
+    assert not venvs.exists(), "a tool session built its environment before checking its input"
+
+
 def test_bare_nox_only_prints_the_plan():
     result = nox(GLM5_MATRIX_GPUS="")
     assert result.returncode == 0, result.stderr

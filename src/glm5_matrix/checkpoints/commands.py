@@ -73,6 +73,8 @@ def register(subparsers: Any) -> None:
 def run_prune(args: argparse.Namespace) -> int:
     src: Path = args.src
     if not src.is_dir():
+        if src.exists():
+            raise UserError(f"{src}: SRC is a file, not a checkpoint directory")
         raise UserError(f"{src}: SRC directory not found")
     plan = plan_prune(open_checkpoint(src), args.layers, args.source_revision)
     if args.dry_run:

@@ -31,6 +31,8 @@ def load_glm_config(directory: Path) -> dict[str, Any]:
     """config.json of a GLM-5.3-Flash checkpoint directory; UserError (one line) otherwise."""
     directory = Path(directory)
     if not directory.is_dir():
+        if directory.exists():
+            raise UserError(f"{directory}: a file, not a checkpoint directory")
         raise UserError(f"{directory}: checkpoint directory not found")
     path = directory / "config.json"
     if not path.is_file():

@@ -23,7 +23,11 @@ def format_manifest(hashes: dict[str, str]) -> str:
 
 def read_manifest(path: Path) -> dict[str, str]:
     hashes = {}
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: not a sha256sum file ({exc})") from None
+    for number, line in enumerate(text.splitlines(), start=1):
         match = re.fullmatch(r"([0-9a-f]{64}) [ *](.+)", line)
         if match is None:
             raise UserError(f"{path}:{number}: not a sha256sum line")

@@ -49,7 +49,7 @@ from glm5_matrix.engines.workers import (
     worker_start_block_recorder,
     worker_start_served_state_recorder,
 )
-from glm5_matrix.kernels import kernel_cache, writers
+from glm5_matrix.kernels import kernel_cache, kernel_guard, writers
 from glm5_matrix.machine import processes
 from glm5_matrix.verdicts.compare import GreedyOutput
 
@@ -107,7 +107,7 @@ class Engine:
             before = kernel_cache.snapshot()
             # Who writes the kernel cache during the start: only the engine's processes count.
             # Watched only under the guard, which alone judges a start (a watch costs CPU).
-            watch = writers.Watch().start() if kernel_cache.guard_enabled() else None
+            watch = writers.Watch().start() if kernel_guard.guard_enabled() else None
             started = time.monotonic()
             # A Ctrl-C during the start must reach this process's teardown: vLLM swallows one
             # that lands while it waits for the engine core (startup_interrupts).

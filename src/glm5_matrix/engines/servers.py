@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from glm5_matrix.engines.starts import account_start
-from glm5_matrix.kernels import kernel_cache, writers
+from glm5_matrix.kernels import kernel_cache, kernel_guard, writers
 from glm5_matrix.machine import processes, supervision
 
 HOST = "127.0.0.1"
@@ -206,7 +206,7 @@ class VllmServer:
     def command(self) -> list[str]:
         monitor = []
         if "--jit-monitor-mode" not in self.args:
-            mode = kernel_cache.jit_monitor_mode("--enforce-eager" in self.args)
+            mode = kernel_guard.jit_monitor_mode("--enforce-eager" in self.args)
             monitor = [] if mode is None else ["--jit-monitor-mode", mode]
         return [
             self.python,
@@ -247,7 +247,7 @@ class VllmServer:
         kernel_cache.ensure_active()
         self._caches_before = kernel_cache.snapshot()
         # Only under the guard, which alone judges a start (a watch costs CPU).
-        self._writers = writers.Watch().start() if kernel_cache.guard_enabled() else None
+        self._writers = writers.Watch().start() if kernel_guard.guard_enabled() else None
         self._launched_at = time.monotonic()
         with self.log_path.open("wb") as log:
             log.write(f"$ {' '.join(self.command())}\n".encode())

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from glm5_matrix.errors import UserError
-from glm5_matrix.kernels import kernel_cache
+from glm5_matrix.kernels import kernel_guard
 from glm5_matrix.matrix.context import CellContext
 from glm5_matrix.matrix.profiles import Profile, load_profile
 
@@ -144,8 +144,8 @@ def moe_backend_for(profile: Profile, axis_value: str, family: str) -> str:
 
 def jit_monitor_args(spec: EngineSpec) -> dict[str, Any]:
     """vLLM's jit monitor in error mode when the kernel guard asks for it (see
-    kernel_cache.jit_monitor_mode), unless the spec sets the mode itself."""
+    kernel_guard.jit_monitor_mode), unless the spec sets the mode itself."""
     if "jit_monitor_mode" in spec.args:
         return {}
-    mode = kernel_cache.jit_monitor_mode(bool(spec.args.get("enforce_eager")))
+    mode = kernel_guard.jit_monitor_mode(bool(spec.args.get("enforce_eager")))
     return {} if mode is None else {"jit_monitor_mode": mode}

@@ -2,13 +2,13 @@
 the libraries' caches gained or rewrote since `before` (glm5_matrix.kernels.kernel_cache) that the
 start's own processes wrote (glm5_matrix.kernels.writers: `watch` looked at the writers since
 `before`), record the start with what it compiled and what others wrote into the cell's results,
-and refuse it when it compiled under the kernel guard."""
+and refuse it when it compiled under the kernel guard (glm5_matrix.kernels.kernel_guard)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from glm5_matrix.kernels import kernel_cache, writers
+from glm5_matrix.kernels import kernel_cache, kernel_guard, writers
 from glm5_matrix.results.recorder import record_engine_start
 
 
@@ -34,7 +34,11 @@ def account_start(
         label,
         seconds,
         compile=kernel_cache.compile_record(
-            compiled, compile_seconds(), before, [w.record() for w in writes]
+            compiled,
+            compile_seconds(),
+            before,
+            [w.record() for w in writes],
+            guard=kernel_guard.guard_enabled(),
         ),
     )
-    kernel_cache.refuse_compiled(compiled, what, writers.describe_not_counted(writes))
+    kernel_guard.refuse_compiled(compiled, what, writers.describe_not_counted(writes))

@@ -33,13 +33,15 @@ from glm5_matrix.contracts import Spec
 from glm5_matrix.envs import torch_source
 from glm5_matrix.envs.torch_source import TorchPin, TorchSource
 from glm5_matrix.errors import UserError
-from glm5_matrix.files import write_atomic
+from glm5_matrix.files import repo_root, write_atomic
 
 ENVS_DIR = "envs"
 CONSTRAINTS_DIR = "constraints"
 VLLM_VARIABLE = "GLM5_MATRIX_VLLM"
 PYTHON_VARIABLE = "GLM5_MATRIX_PYTHON"
 FINGERPRINT_FILE = ".glm5-matrix-env.json"
+# Where the cells' (and the harness tools') venvs are built: this folder, else .nox/ of the checkout.
+VENVS_VARIABLE = "GLM5_MATRIX_VENVS"
 DEFAULT_PYTHON = "3.11"
 _REQUIREMENT_NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
 
@@ -294,6 +296,21 @@ def fingerprint(env: EnvDefinition, override: VllmOverride | None) -> dict[str, 
     }
 
 
+def venvs_base(environ: Mapping[str, str]) -> Path:
+    """The folder the venvs are built in, one folder each (GLM5_MATRIX_VENVS, else .nox/)."""
+    return Path(environ.get(VENVS_VARIABLE) or repo_root() / ".nox")
+
+
+def is_current(venv: Path, wanted: dict[str, Any]) -> bool:
+    """Whether the venv at `venv` was built to the fingerprint `wanted` (fingerprint()) and
+    still has its interpreter: then it is reused as it is."""
+    try:
+        built = json.loads((venv / FINGERPRINT_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return built == wanted and (venv / "bin" / "python").is_file()
+
+
 def build(
     env: EnvDefinition,
     venv: Path,
@@ -314,13 +331,9 @@ def build(
         return BuiltEnv(python, None, None, True, variables)
     python = venv / "bin" / "python"
     wanted = fingerprint(env, override)
+    if is_current(venv, wanted):
+        return BuiltEnv(python, venv / "bin", venv, True, variables)
     marker = venv / FINGERPRINT_FILE
-    if python.is_file() and marker.is_file():
-        try:
-            if json.loads(marker.read_text()) == wanted:
-                return BuiltEnv(python, venv / "bin", venv, True, variables)
-        except json.JSONDecodeError:
-            pass
     torch = torch_source_for(env, environ)
     marker.unlink(missing_ok=True)
     create = [uv_executable(), "venv", "--clear", "--quiet", str(venv)]

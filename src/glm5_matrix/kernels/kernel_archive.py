@@ -199,6 +199,8 @@ def export_archive(
     target = target.expanduser().absolute()
     if not target.parent.is_dir():
         raise UserError(f"{target.parent}: folder not found")
+    if target.is_dir():
+        raise UserError(f"{target}: a folder (name the archive file to write)")
     part_size = None if part_size_mib is None else max(1, int(part_size_mib * 2**20))
     transfer = Transfer(target)
     with locked(kernels.directory.parent):
@@ -336,6 +338,8 @@ class _Chain(io.RawIOBase):
 
 def archive_parts(archive: Path) -> list[Path]:
     """The file(s) holding the archive: `archive` itself, or archive.000, archive.001, ..."""
+    if archive.is_dir():
+        raise UserError(f"{archive}: a folder, not a kernel cache archive")
     if archive.is_file():
         return [archive]
     parts = sorted(archive.parent.glob(f"{archive.name}.[0-9][0-9][0-9]"))
@@ -428,40 +432,55 @@ def check_fits(manifest: dict[str, Any], kernels: KernelCache, archive: Path) ->
 
 
 def import_archive(archive: Path, kernels: KernelCache) -> Transfer:
-    """Merge `archive` into the key folder of `kernels` (see the module doc)."""
+    """Merge `archive` into the key folder of `kernels` (see the module doc). Nothing is
+    created until the archive is found, whole (its .sha256), readable and built for this
+    interpreter and GPU: a refused archive leaves the machine as it was."""
     archive = archive.expanduser().absolute()
     parts = archive_parts(archive)
     verify_parts(archive, parts)
     transfer = Transfer(archive)
     folders = {library.folder: library.name for library in LIBRARIES}
-    kernel_cache.prepare(kernels)
-    with locked(kernels.directory.parent), _open_stream(parts) as tar:
+    with _open_stream(parts) as tar:
         manifest = read_manifest(tar, archive)
         check_fits(manifest, kernels, archive)
         models = merge_models(manifest, gpu_models.read(kernels), archive)
-        root = str(kernels.directory.parent)
-        if manifest.get("root") != root:
-            transfer.warnings.append(
-                f"built under {manifest.get('root')}, imported under {root}: FlashInfer and "
-                "Triton record absolute paths and will rebuild what they find moved"
-            )
-        staging = Path(tempfile.mkdtemp(prefix=".glm5-import-", dir=kernels.directory))
-        try:
-            while (member := tar.next()) is not None:  # on from the manifest
-                top = member.name.split("/", 1)[0]
-                if top not in folders or not member.isfile():
-                    raise UserError(f"{archive}: unexpected member {member.name!r}")
-                _extract(tar, member, staging)
-                transfer.files[folders[top]] = transfer.files.get(folders[top], 0) + 1
-                transfer.bytes += member.size
-            for folder in folders:
-                if (staging / folder).is_dir():
-                    transfer.kept += _merge(staging / folder, kernels.directory / folder)
+        kernel_cache.prepare(kernels)
+        with locked(kernels.directory.parent):
+            _import_members(tar, archive, manifest, kernels, folders, transfer)
             gpu_models.write(kernels, models)
             transfer.models = models.describe()
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
     return transfer
+
+
+def _import_members(
+    tar: tarfile.TarFile,
+    archive: Path,
+    manifest: dict[str, Any],
+    kernels: KernelCache,
+    folders: dict[str, str],
+    transfer: Transfer,
+) -> None:
+    """The archive's members after its manifest, staged and merged into the key folder."""
+    root = str(kernels.directory.parent)
+    if manifest.get("root") != root:
+        transfer.warnings.append(
+            f"built under {manifest.get('root')}, imported under {root}: FlashInfer and "
+            "Triton record absolute paths and will rebuild what they find moved"
+        )
+    staging = Path(tempfile.mkdtemp(prefix=".glm5-import-", dir=kernels.directory))
+    try:
+        while (member := tar.next()) is not None:  # on from the manifest
+            top = member.name.split("/", 1)[0]
+            if top not in folders or not member.isfile():
+                raise UserError(f"{archive}: unexpected member {member.name!r}")
+            _extract(tar, member, staging)
+            transfer.files[folders[top]] = transfer.files.get(folders[top], 0) + 1
+            transfer.bytes += member.size
+        for folder in folders:
+            if (staging / folder).is_dir():
+                transfer.kept += _merge(staging / folder, kernels.directory / folder)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _extract(tar: tarfile.TarFile, member: tarfile.TarInfo, staging: Path) -> None:
@@ -502,9 +521,12 @@ def _interpreter(args: argparse.Namespace) -> str:
     return str(args.python or os.environ.get(PYTHON_VARIABLE) or sys.executable)
 
 
+# The commands create nothing in the cache: show and export read it, import creates the key
+# folder only once the archive is accepted (import_archive).
 def _show(args: argparse.Namespace) -> int:
-    kernels = kernel_cache.for_interpreter(_interpreter(args))
-    print(f"kernel cache {kernels.describe()}")
+    kernels = kernel_cache.for_interpreter(_interpreter(args), create=False)
+    absent = "" if kernels.directory.is_dir() else " (not created yet: nothing compiled here)"
+    print(f"kernel cache {kernels.describe()}{absent}")
     print(f"key: {kernel_cache.describe_key(kernels.key)}")
     for library in LIBRARIES:
         folder = Path(kernels.user_set.get(library.variable) or kernels.folder(library))
@@ -516,7 +538,7 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    kernels = kernel_cache.for_interpreter(_interpreter(args))
+    kernels = kernel_cache.for_interpreter(_interpreter(args), create=False)
     done = export_archive(
         kernels,
         Path(args.file),
@@ -530,7 +552,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _import(args: argparse.Namespace) -> int:
-    kernels = kernel_cache.for_interpreter(_interpreter(args))
+    kernels = kernel_cache.for_interpreter(_interpreter(args), create=False)
     done = import_archive(Path(args.file), kernels)
     print(f"imported into {kernels.directory}: {done.describe()}")
     for warning in done.warnings:
@@ -552,7 +574,7 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "kernel-cache", help="show, export or import the kernel cache of an interpreter"
     )
-    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    actions = parser.add_subparsers(dest="action", metavar="ACTION")
     show = actions.add_parser("show", help="the key folder, its variables and what it holds")
     export = actions.add_parser("export", help="write the key folder to an archive")
     export.add_argument("file", help="the archive to write (FILE.000, ... with --part-size)")

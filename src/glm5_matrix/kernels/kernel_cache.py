@@ -106,7 +106,6 @@ ROOT_VARIABLE = "GLM5_MATRIX_KERNEL_CACHE"
 # The key folder in use, set with the library variables: whoever finds it set does not
 # compute the key again (the runner sets it for the cell's processes).
 ACTIVE_VARIABLE = "GLM5_MATRIX_KERNEL_CACHE_DIR"
-GUARD_VARIABLE = "GLM5_MATRIX_KERNEL_GUARD"
 KEY_FILE = "key.json"
 LOCK_FILE = ".glm5-lock"
 PROBE_TIMEOUT_S = 120
@@ -328,11 +327,16 @@ def probe(python: str | Path, environ: Mapping[str, str] | None = None) -> dict[
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
-def for_interpreter(python: str | Path, environ: Mapping[str, str] | None = None) -> KernelCache:
-    """The kernel cache of the cell whose interpreter is `python` on this machine (prepared)."""
+def for_interpreter(
+    python: str | Path, environ: Mapping[str, str] | None = None, *, create: bool = True
+) -> KernelCache:
+    """The kernel cache of the cell whose interpreter is `python` on this machine: prepared,
+    or where `create` is false only located (nothing is created: `kernel-cache show`, and an
+    import that may yet be refused)."""
     environ = os.environ if environ is None else environ
     key = {**probe(python, environ), "gpu_arch": gpu_arch(environ)}
-    return prepare(replace(layout(key, environ), python=str(python)))
+    found = replace(layout(key, environ), python=str(python))
+    return prepare(found) if create else found
 
 
 def for_this_process(environ: Mapping[str, str] | None = None) -> KernelCache:
@@ -457,12 +461,15 @@ def compile_record(
     seconds: float | None,
     before: Snapshot,
     writes: list[dict[str, object]] | None = None,
+    *,
+    guard: bool,
 ) -> dict[str, object]:
     """The "compile" object of a results.json engine start: vLLM's torch.compile seconds, the
     kernel files each library compiled (counted against the start: those its own processes
     wrote, glm5_matrix.kernels.writers), the kernel files the cache held when the start began
-    (0: a cold start, the only kind a cold-against-warm comparison may use), and whether the
-    guard was on (then a start that compiled is refused right after this is recorded). With
+    (0: a cold start, the only kind a cold-against-warm comparison may use), and `guard`, whether
+    the kernel guard was on (then a start that compiled is refused right after this is
+    recorded, glm5_matrix.kernels.kernel_guard). With
     `writes` (writers.FileWrite.record() of every file written in the window): "written", at
     most FILES_LISTED of them with writer, pids and whether counted, the counted ones first (a
     cell's own compile beside a busy stranger must not be cut from its own list), "written_total",
@@ -472,7 +479,7 @@ def compile_record(
         "seconds": None if seconds is None else round(seconds, 2),
         "entries_added": {name: len(paths) for name, paths in sorted(changed.items())},
         "files_before": kernel_files(before),
-        "guard": guard_enabled(),
+        "guard": guard,
     }
     if writes is not None:
         left: dict[str, int] = {}
@@ -485,66 +492,3 @@ def compile_record(
         record["written"] = ordered[:FILES_LISTED]
         record["written_total"] = len(writes)
     return record
-
-
-# --- the guard ------------------------------------------------------------------------------------
-
-
-class KernelCompiled(RuntimeError):
-    """A kernel was compiled while the guard was on (after the warm-up)."""
-
-
-def guard_enabled(environ: Mapping[str, str] | None = None) -> bool:
-    """GLM5_MATRIX_KERNEL_GUARD=1 turns the guard on, =0 off; unset, it follows
-    GLM5_MATRIX_STRICT."""
-    environ = os.environ if environ is None else environ
-    value = environ.get(GUARD_VARIABLE, "").strip().lower()
-    if value:
-        return value in ("1", "true", "yes", "on")
-    return hardware.strict(dict(environ))
-
-
-def describe_written(changed: Mapping[str, list[str]], where: str, shown: int = 4) -> str:
-    """One line naming what was compiled: per library, how many files and the first few."""
-    parts = []
-    for name, paths in sorted(changed.items()):
-        if not paths:
-            continue
-        listed = ", ".join(paths[:shown]) + (
-            f", ... {len(paths) - shown} more" if len(paths) > shown else ""
-        )
-        parts.append(f"{name}: {len(paths)} file(s) ({listed})")
-    return (
-        f"kernels compiled after the warm-up during {where} ({GUARD_VARIABLE} is on): "
-        + "; ".join(parts)
-        + " -- run `nox -s warm -- CELL` on this machine first"
-    )
-
-
-def refuse_compiled(changed: Mapping[str, list[str]], where: str, note: str = "") -> None:
-    """Raise KernelCompiled naming the files when something was compiled and the guard is on
-    (`note`: what was written but not counted, writers.describe_not_counted)."""
-    if any(changed.values()) and guard_enabled():
-        raise KernelCompiled(describe_written(changed, where) + (f" ({note})" if note else ""))
-
-
-def jit_monitor_mode(enforce_eager: bool) -> str | None:
-    """ "error" when the guard is on, the engine is not eager and this vLLM has the jit monitor
-    (ObservabilityConfig.jit_monitor_mode, vLLM 0.33), else None.
-
-    vLLM activates its monitor only after its own JIT warm-up, which enforce_eager turns off
-    (vllm/config/vllm.py:1766-1784, v1/worker/gpu_worker.py:1126-1138); it then hooks Triton's
-    jit and autotuner, TileLang's jit and CuTeDSL's compile, and in error mode raises in the
-    worker naming the kernel (vllm/utils/jit_monitor.py). It counts any first compile in the
-    process after vLLM's warm-up, a disk-cache hit included (triton/runtime/jit.py:893-905):
-    a stricter check than the cache's, which sees only what was written.
-    """
-    if enforce_eager or not guard_enabled():
-        return None
-    try:
-        from vllm.engine.arg_utils import EngineArgs
-    except ImportError:
-        return None
-    return (
-        "error" if "jit_monitor_mode" in getattr(EngineArgs, "__dataclass_fields__", {}) else None
-    )

@@ -1,27 +1,105 @@
-"""The kernel guard as a pytest plugin (`-p glm5_matrix.kernels.kernel_guard`, loaded by the runner).
+"""The kernel guard: its policy, and its pytest plugin (`-p glm5_matrix.kernels.kernel_guard`,
+loaded by the runner).
 
-With the guard on (GLM5_MATRIX_KERNEL_GUARD=1, or GLM5_MATRIX_STRICT=1 unless the guard is set
-to 0), a test phase (setup, call, teardown) that passed is turned into a failure when a
-library's cache folder gained or rewrote a kernel file during it, naming the files: a request
-that compiled a kernel the warm-up did not. Only what the test process and its children wrote
-counts (glm5_matrix.kernels.writers watches the writers through each phase); a file another
-process wrote into the shared cache meanwhile is named beside the verdict, never a failure. Engine and server starts check themselves as they
-come up (glm5_matrix.engines.client, glm5_matrix.engines.servers), so a cold cache fails at the first start;
-vLLM's own jit monitor covers in-process compiles after vLLM's warm-up where vLLM activates it
-(compiled mode, see engines). With the guard off the plugin does nothing.
+The policy: the guard is on with GLM5_MATRIX_KERNEL_GUARD=1, or GLM5_MATRIX_STRICT=1 unless the
+guard is set to 0 (guard_enabled); with it on, an engine or server start whose own processes
+compiled a kernel is refused naming the files (refuse_compiled, by glm5_matrix.engines.starts: a
+cold cache fails at the first start), and compiled-mode engines run vLLM's jit monitor in error
+mode (jit_monitor_mode), which covers in-process compiles after vLLM's warm-up where vLLM
+activates it.
+
+The plugin: with the guard on, a test phase (setup, call, teardown) that passed is turned into a
+failure when a library's cache folder gained or rewrote a kernel file during it, naming the
+files: a request that compiled a kernel the warm-up did not. Only what the test process and its
+children wrote counts (glm5_matrix.kernels.writers watches the writers through each phase); a
+file another process wrote into the shared cache meanwhile is named beside the verdict, never a
+failure. With the guard off the plugin does nothing.
 
 The report is amended in pytest_runtest_makereport (an old-style hook wrapper, which every
 pytest since 3 runs), so the plugin works with whatever pytest an offline interpreter holds.
+pytest is imported only once pytest configures the plugin: the runner reads the policy in nox's
+own interpreter, which need not have pytest.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator
-from typing import Any
-
-import pytest
+import os
+from collections.abc import Generator, Mapping
+from typing import TYPE_CHECKING, Any
 
 from glm5_matrix.kernels import kernel_cache, writers
+from glm5_matrix.machine import hardware
+
+if TYPE_CHECKING:
+    import pytest
+
+GUARD_VARIABLE = "GLM5_MATRIX_KERNEL_GUARD"
+
+
+# --- the policy --------------------------------------------------------------------------------
+
+
+class KernelCompiled(RuntimeError):
+    """A kernel was compiled while the guard was on (after the warm-up)."""
+
+
+def guard_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """GLM5_MATRIX_KERNEL_GUARD=1 turns the guard on, =0 off; unset, it follows
+    GLM5_MATRIX_STRICT."""
+    environ = os.environ if environ is None else environ
+    value = environ.get(GUARD_VARIABLE, "").strip().lower()
+    if value:
+        return value in ("1", "true", "yes", "on")
+    return hardware.strict(dict(environ))
+
+
+def describe_written(changed: Mapping[str, list[str]], where: str, shown: int = 4) -> str:
+    """One line naming what was compiled: per library, how many files and the first few."""
+    parts = []
+    for name, paths in sorted(changed.items()):
+        if not paths:
+            continue
+        listed = ", ".join(paths[:shown]) + (
+            f", ... {len(paths) - shown} more" if len(paths) > shown else ""
+        )
+        parts.append(f"{name}: {len(paths)} file(s) ({listed})")
+    return (
+        f"kernels compiled after the warm-up during {where} ({GUARD_VARIABLE} is on): "
+        + "; ".join(parts)
+        + " -- run `nox -s warm -- CELL` on this machine first"
+    )
+
+
+def refuse_compiled(changed: Mapping[str, list[str]], where: str, note: str = "") -> None:
+    """Raise KernelCompiled naming the files when something was compiled and the guard is on
+    (`note`: what was written but not counted, writers.describe_not_counted)."""
+    if any(changed.values()) and guard_enabled():
+        raise KernelCompiled(describe_written(changed, where) + (f" ({note})" if note else ""))
+
+
+def jit_monitor_mode(enforce_eager: bool) -> str | None:
+    """ "error" when the guard is on, the engine is not eager and this vLLM has the jit monitor
+    (ObservabilityConfig.jit_monitor_mode, vLLM 0.33), else None.
+
+    vLLM activates its monitor only after its own JIT warm-up, which enforce_eager turns off
+    (vllm/config/vllm.py:1766-1784, v1/worker/gpu_worker.py:1126-1138); it then hooks Triton's
+    jit and autotuner, TileLang's jit and CuTeDSL's compile, and in error mode raises in the
+    worker naming the kernel (vllm/utils/jit_monitor.py). It counts any first compile in the
+    process after vLLM's warm-up, a disk-cache hit included (triton/runtime/jit.py:893-905):
+    a stricter check than the cache's, which sees only what was written.
+    """
+    if enforce_eager or not guard_enabled():
+        return None
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+    except ImportError:
+        return None
+    return (
+        "error" if "jit_monitor_mode" in getattr(EngineArgs, "__dataclass_fields__", {}) else None
+    )
+
+
+# --- the pytest plugin -------------------------------------------------------------------------
 
 _WHERE = {"setup": "setup of {}", "call": "{}", "teardown": "teardown of {}"}
 
@@ -41,8 +119,9 @@ class KernelGuard:
     def pytest_runtest_logstart(self, nodeid: str, location: Any) -> None:
         self._look_again()
 
-    @pytest.hookimpl(hookwrapper=True)
-    def pytest_runtest_makereport(self, item: pytest.Item, call: Any) -> Generator[None, Any, None]:
+    def pytest_runtest_makereport(  # a hook wrapper (marked in pytest_configure)
+        self, item: pytest.Item, call: Any
+    ) -> Generator[None, Any, None]:
         outcome = yield
         report = outcome.get_result()
         before, now = self.last, kernel_cache.snapshot()
@@ -52,9 +131,7 @@ class KernelGuard:
             where = _WHERE.get(call.when, "{}").format(item.nodeid)
             note = writers.describe_not_counted(writes)
             report.outcome = "failed"
-            report.longrepr = kernel_cache.describe_written(changed, where) + (
-                f" ({note})" if note else ""
-            )
+            report.longrepr = describe_written(changed, where) + (f" ({note})" if note else "")
         elif report.passed and writes:
             note = writers.describe_not_counted(writes)
             if note:
@@ -66,5 +143,10 @@ class KernelGuard:
 
 
 def pytest_configure(config: Any) -> None:
-    if kernel_cache.guard_enabled():
+    if guard_enabled():
+        # Marked here, where pytest runs: the runner imports this module for the policy in
+        # nox's interpreter, which need not have pytest.
+        import pytest
+
+        pytest.hookimpl(hookwrapper=True)(KernelGuard.pytest_runtest_makereport)
         config.pluginmanager.register(KernelGuard(), "glm5-matrix-kernel-guard")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from glm5_matrix.errors import UserError
-from glm5_matrix.matrix.matrix import Cell, parse_compute_capability
+from glm5_matrix.matrix.matrix import Capability, Cell, parse_compute_capability
 
 GPUS_VARIABLE = "GLM5_MATRIX_GPUS"
 STRICT_VARIABLE = "GLM5_MATRIX_STRICT"
@@ -28,7 +28,7 @@ STRICT_VARIABLE = "GLM5_MATRIX_STRICT"
 
 @dataclass(frozen=True)
 class Hardware:
-    capabilities: tuple[tuple[int, int], ...]
+    capabilities: tuple[Capability, ...]
     source: str  # how they were found: the override, nvidia-smi, or nothing
     # The device index of each GPU, as nvidia-smi numbers them (0, 1, ... for the override).
     indices: tuple[int, ...] = ()
@@ -52,7 +52,7 @@ class Verdict:
     reason: str  # one line: what the cell needs and what was found
 
 
-def parse_override(text: str) -> tuple[tuple[int, int], ...]:
+def parse_override(text: str) -> tuple[Capability, ...]:
     if not text.strip():
         return ()
     try:
@@ -97,7 +97,7 @@ def detect(environ: dict[str, str] | None = None) -> Hardware:
     )
 
 
-def parse_query(text: str) -> list[tuple[int, str, tuple[int, int]]]:
+def parse_query(text: str) -> list[tuple[int, str, Capability]]:
     """`nvidia-smi --query-gpu=index,uuid,compute_cap --format=csv,noheader`: one
     (index, uuid, capability) per GPU."""
     gpus = []
@@ -110,14 +110,14 @@ def parse_query(text: str) -> list[tuple[int, str, tuple[int, int]]]:
 
 
 def bound_by_visible(
-    gpus: list[tuple[int, str, tuple[int, int]]], visible: str
-) -> list[tuple[int, str, tuple[int, int]]]:
+    gpus: list[tuple[int, str, Capability]], visible: str
+) -> list[tuple[int, str, Capability]]:
     """The GPUs a CUDA_VISIBLE_DEVICES value leaves, as CUDA reads it: entries are device
     indices or GPU UUIDs (a unique prefix is enough), and the first entry that names no GPU
     ends the list (so "" and "-1" leave none; MIG instances are not whole GPUs and end it too).
     """
     by_index = {gpu[0]: gpu for gpu in gpus}
-    kept: dict[int, tuple[int, str, tuple[int, int]]] = {}
+    kept: dict[int, tuple[int, str, Capability]] = {}
     for entry in (part.strip() for part in visible.split(",")):
         if entry.isdigit() and int(entry) in by_index:
             found = by_index[int(entry)]
@@ -133,11 +133,7 @@ def bound_by_visible(
 def check(cell: Cell, hardware: Hardware) -> Verdict:
     if not cell.gpus:
         return Verdict(True, "needs no GPU")
-    minimum = (
-        parse_compute_capability(cell.min_compute_capability)
-        if cell.min_compute_capability
-        else (0, 0)
-    )
+    minimum = cell.min_compute_capability or (0, 0)
     usable = [c for c in hardware.capabilities if c >= minimum]
     need = f"{cell.gpus} GPU(s)"
     if cell.min_compute_capability:
@@ -167,7 +163,7 @@ def device_model(environ: dict[str, str] | None = None) -> str:
                 if line.strip():
                     index, uuid, name = (p.strip() for p in line.split(",", 2))
                     names[int(index)] = (uuid, name)
-            gpus = [(i, uuid, (0, 0)) for i, (uuid, _) in sorted(names.items())]
+            gpus = [(i, uuid, Capability(0, 0)) for i, (uuid, _) in sorted(names.items())]
             visible = environ.get("CUDA_VISIBLE_DEVICES")
             if visible is not None:
                 gpus = bound_by_visible(gpus, visible)

@@ -54,7 +54,7 @@ from typing import Any
 
 from glm5_matrix.errors import UserError
 from glm5_matrix.machine import hardware
-from glm5_matrix.matrix.matrix import Cell, Variant, parse_compute_capability
+from glm5_matrix.matrix.matrix import Cell, Variant
 
 LEASE_DIR_VARIABLE = "GLM5_MATRIX_LEASE_DIR"
 LEASE_TIMEOUT_VARIABLE = "GLM5_MATRIX_LEASE_TIMEOUT"
@@ -192,11 +192,7 @@ class Lease:
 
 def pool(cell: Cell, found: hardware.Hardware) -> tuple[int, ...]:
     """Indices of the GPUs the cell may use: those found that meet its compute capability."""
-    minimum = (
-        parse_compute_capability(cell.min_compute_capability)
-        if cell.min_compute_capability
-        else (0, 0)
-    )
+    minimum = cell.min_compute_capability or (0, 0)
     return tuple(
         index
         for index, capability in zip(found.indices, found.capabilities, strict=True)

@@ -212,7 +212,7 @@ def register(subparsers: Any) -> None:
         "record: keep a cell's recorded list (its results folder's executed-vllm.json) as data; "
         "derive: a list from a twin's, for a cell not recorded on its hardware yet",
     )
-    actions = guards.add_subparsers(dest="action", required=True, metavar="ACTION")
+    actions = guards.add_subparsers(dest="action", metavar="ACTION")
     checking = actions.add_parser("check", help="fail when a cell executed a file none guards")
     checking.set_defaults(func=_check)
     recording = actions.add_parser("record", help="keep results folders' lists in executed/")

@@ -12,12 +12,12 @@ import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from glm5_matrix import contracts
 from glm5_matrix.errors import UserError
+from glm5_matrix.files import MATRIX_FILE as MATRIX_FILE  # re-exported: callers import it here
 
-MATRIX_FILE = "matrix.toml"
 SUITES = ("e2e", "offload", "pd", "dflash", "noise", "layout", "metadata", "unit", "lint", "faults")
 # Suites whose cells start engines or servers (the others have nothing to warm).
 ENGINE_SUITES = ("e2e", "offload", "dflash", "pd", "noise")
@@ -244,7 +244,7 @@ class Cell:
     # The CPU cores its engines are bound to (VLLM_CPU_OMP_THREADS_BIND), leased like GPUs
     # (glm5_matrix.machine.leases): cells that bind a core in common never run side by side.
     cores: tuple[int, ...] = ()
-    min_compute_capability: str | None = None
+    min_compute_capability: Capability | None = None  # parsed once, at load
     tp: int | None = None
     settings: dict[str, Any] = field(default_factory=dict)
     environment: dict[str, str] = field(default_factory=dict)
@@ -265,7 +265,7 @@ class Cell:
         if self.gpus:
             tags.append(f"gpus-{self.gpus}")
         if self.min_compute_capability is not None:
-            major, minor = parse_compute_capability(self.min_compute_capability)
+            major, minor = self.min_compute_capability
             tags.append(f"sm{major}{minor}")
         if self.tp is not None:
             tags.append(f"tp-{self.tp}")
@@ -305,11 +305,23 @@ class Matrix:
         return [variant for variant in self.variants if tag in variant.tags]
 
 
-def parse_compute_capability(text: str) -> tuple[int, int]:
+class Capability(NamedTuple):
+    """A GPU's compute capability, 9.0 as (9, 0): it compares as the tuple."""
+
+    major: int
+    minor: int
+
+    def __str__(self) -> str:
+        return f"{self.major}.{self.minor}"
+
+
+def parse_compute_capability(text: str) -> Capability:
+    """ "9.0" as Capability(9, 0): a cell's minimum (once, at load), GLM5_MATRIX_GPUS' and
+    nvidia-smi's GPUs (glm5_matrix.machine.hardware)."""
     match = re.fullmatch(r"\s*(\d+)\.(\d+)\s*", text)
     if not match:
         raise ValueError(f"{text!r} is not a compute capability like 9.0")
-    return int(match.group(1)), int(match.group(2))
+    return Capability(int(match.group(1)), int(match.group(2)))
 
 
 def load_matrix(
@@ -400,7 +412,11 @@ def _cell(name: str, raw: dict[str, Any], guard_sets: dict[str, tuple[str, ...]]
         profile=raw.get("profile"),
         gpus=raw["gpus"],
         cores=tuple(sorted(raw.get("cores", ()))),
-        min_compute_capability=raw.get("min_compute_capability"),
+        min_compute_capability=(
+            parse_compute_capability(raw["min_compute_capability"])
+            if "min_compute_capability" in raw
+            else None
+        ),
         tp=raw.get("tp"),
         settings=dict(raw.get("settings", {})),
         environment=dict(raw.get("environment", {})),

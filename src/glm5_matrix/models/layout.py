@@ -290,6 +290,8 @@ def load_config(path: Path) -> dict[str, Any]:
         raise UserError(f"{file}: not found") from None
     except json.JSONDecodeError as exc:
         raise UserError(f"{file}: not valid JSON: {exc}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{file}: not valid JSON: not UTF-8 text (a binary file?)") from None
     except OSError as exc:
         raise UserError(f"{file}: cannot read: {exc.strerror}") from None
     if not isinstance(data, dict):

@@ -19,7 +19,6 @@ put first on the cell's PYTHONPATH (glm5_matrix.mutants.patching).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import shutil
@@ -36,7 +35,7 @@ from pathlib import Path
 from glm5_matrix.envs import environments
 from glm5_matrix.errors import UserError
 from glm5_matrix.files import repo_root
-from glm5_matrix.kernels import kernel_cache
+from glm5_matrix.kernels import kernel_guard
 from glm5_matrix.machine import hardware
 from glm5_matrix.matrix.matrix import Matrix, Variant
 from glm5_matrix.mutants import catalogue, patching, record, verdicts
@@ -82,14 +81,8 @@ def source_venv(matrix: Matrix, variant: Variant, say: Callable[[str], None]) ->
     wanted = environments.fingerprint(env, None)
     base = repo_root() / ".nox"
     for other in [variant, *matrix.variants]:
-        if other.env != variant.env:
-            continue
-        marker = base / other.slug / environments.FINGERPRINT_FILE
-        try:
-            if json.loads(marker.read_text()) == wanted:
-                return base / other.slug
-        except (OSError, ValueError):
-            continue
+        if other.env == variant.env and environments.is_current(base / other.slug, wanted):
+            return base / other.slug
     say(f"building the {variant.env} environment at {base / variant.slug}")
     built = environments.build(env, base / variant.slug)
     assert built.venv is not None
@@ -131,13 +124,13 @@ def run_cell(
     ]
     environ = {
         **os.environ,
-        runner.VENVS_VARIABLE: str(venvs),
+        environments.VENVS_VARIABLE: str(venvs),
         schema.RESULTS_VARIABLE: str(results),
     }
     # A patch to a Triton kernel's source (the rejection sampler's) compiles that kernel anew by
     # design: the kernel guard (GLM5_MATRIX_STRICT turns it on) would fail the run for that, and
     # a guard failure must not read as a catch.
-    environ[kernel_cache.GUARD_VARIABLE] = "0"
+    environ[kernel_guard.GUARD_VARIABLE] = "0"
     if overlay is None:
         environ.pop(environments.PYTHON_VARIABLE, None)  # the copy is the interpreter
     else:

@@ -11,6 +11,7 @@ workflow's actionlint check is reported as not run, in one line.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -82,6 +83,11 @@ def actionlint_command() -> tuple[list[str], dict[str, str]] | None:
 def check(texts: dict[str, str]) -> list[str]:
     """Validate generated pipelines (kind -> YAML text). Prints each tool's verdict; returns the
     failures, one line each."""
+    if importlib.util.find_spec("check_jsonschema") is None:
+        raise UserError(
+            f"check-jsonschema is not installed in {sys.executable}'s environment "
+            "(a dependency of glm5-matrix: pip install check-jsonschema)"
+        )
     failures = []
     with tempfile.TemporaryDirectory(prefix="glm5-matrix-pipelines-") as scratch:
         for kind, text in texts.items():

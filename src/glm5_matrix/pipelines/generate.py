@@ -32,13 +32,7 @@ from typing import Any
 
 from glm5_matrix.errors import UserError
 from glm5_matrix.files import write_atomic
-from glm5_matrix.matrix.matrix import (
-    MATRIX_FILE,
-    Matrix,
-    Variant,
-    load_matrix,
-    parse_compute_capability,
-)
+from glm5_matrix.matrix.matrix import MATRIX_FILE, Matrix, Variant, load_matrix
 from glm5_matrix.matrix.profiles import profile_chain
 
 KINDS = ("buildkite", "github")
@@ -74,7 +68,7 @@ def capability_tag(variant: Variant) -> str | None:
     """ "sm90" for a cell that needs compute capability >= 9.0 (the matrix's own tag)."""
     if variant.cell.min_compute_capability is None:
         return None
-    major, minor = parse_compute_capability(variant.cell.min_compute_capability)
+    major, minor = variant.cell.min_compute_capability
     return f"sm{major}{minor}"
 
 
@@ -429,6 +423,7 @@ def _write(text: str, output: Path | None) -> None:
     if output is None:
         sys.stdout.write(text)
         return
+    _check_output(output, "--output")
     output.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(output, text)
     print(f"wrote {output}", file=sys.stderr)
@@ -452,13 +447,43 @@ def register(subparsers: Any) -> None:
         help="github-matrix: include the GPU cells (default true)",
     )
     parser.add_argument("--github-output", type=Path, help="github-matrix: append matrix=")
-    parser.set_defaults(func=_run)
+    parser.set_defaults(func=_run, preflight=_preflight)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _check_output(path: Path, flag: str) -> None:
+    if path.is_dir():
+        raise UserError(f"{path}: a folder ({flag} names the file to write)")
+
+
+def _sessions(path: Path | None) -> list[Any]:
+    """The session list `nox -l --json` wrote, or a UserError."""
+    if path is None:
+        raise UserError("github-matrix needs the file `nox -l --json` wrote")
+    try:
+        sessions = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{path}: not nox's session list: {exc}") from None
+    if not isinstance(sessions, list):
+        raise UserError(f"{path}: not nox's session list: not a JSON list")
+    return sessions
+
+
+def _preflight(args: argparse.Namespace) -> Matrix:
+    """The inputs checked before anything is written (and, under `nox -s pipeline`, before the
+    harness environment is built): the matrix, the session list, where to write."""
     from glm5_matrix.files import repo_root
 
     matrix = load_matrix(args.matrix or repo_root() / MATRIX_FILE)
+    if args.kind == "github-matrix":
+        _sessions(args.sessions)
+    for path, flag in ((args.output, "--output"), (args.github_output, "--github-output")):
+        if path is not None:
+            _check_output(path, flag)
+    return matrix
+
+
+def _run(args: argparse.Namespace) -> int:
+    matrix = _preflight(args)
     if args.kind == "check":
         from glm5_matrix.pipelines import checks
 
@@ -469,12 +494,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.kind != "github-matrix":
         _write(render(args.kind, matrix), args.output)
         return 0
-    if args.sessions is None:
-        raise UserError("github-matrix needs the file `nox -l --json` wrote")
-    try:
-        sessions = json.loads(args.sessions.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise UserError(f"{args.sessions}: not nox's session list: {exc}") from None
+    sessions = _sessions(args.sessions)
     changed = args.changed.split()
     gpu = args.gpu == "true"
     entries = github_matrix(matrix, sessions, changed, gpu=gpu)

@@ -46,7 +46,7 @@ FLAGS = (
     "--disable-crash-reporter",
     "--remote-debugging-pipe",
 )
-VIEWPORT = {"width": 1400, "height": 1000, "deviceScaleFactor": 1, "mobile": False}
+VIEWPORT = {"width": 1280, "height": 1000, "deviceScaleFactor": 1, "mobile": False}
 
 
 def find_chromium(environ: dict[str, str] | None = None) -> str | None:
@@ -204,12 +204,68 @@ def _dup_high(fd: int) -> int:
     return fcntl.fcntl(fd, fcntl.F_DUPFD, 10)
 
 
-# What the page shows, read in the page itself (the grid cells' text is what a person sees).
-_PAGE_FACTS = """(() => {
-  const text = (el) => (el ? el.innerText.trim() : null);
+# What the first screen (VIEWPORT, scrolled to the top) shows: where the verdict, the headline
+# and the first failure (or "No failures.") end, in CSS pixels from the top.
+_FIRST_SCREEN = """(() => {
+  window.scrollTo(0, 0);
+  const bottom = (el) => (el ? el.getBoundingClientRect().bottom : null);
+  const top = (el) => (el ? el.getBoundingClientRect().top : null);
+  const first = document.querySelector("#failures .failure");
   return {
+    height: window.innerHeight, width: window.innerWidth,
+    verdict: bottom(document.getElementById("verdict")),
+    verdict_text: document.getElementById("verdict") ?
+      document.getElementById("verdict").innerText.trim() : null,
+    headline: bottom(document.getElementById("headline")),
+    failure_top: top(first),
+    failure_why: first ? bottom(first.querySelector(".why") || first) : null,
+    no_failures: bottom(document.getElementById("no-failures")),
+    page: document.documentElement.scrollHeight,
+  };
+})()"""
+# Each collapsed section (a suite file's tests, the cells not run): its content takes no room
+# while closed, and shows once its summary is clicked; closed again after.
+_COLLAPSED = """(() => {
+  const sections = [...document.querySelectorAll("details.suite, details#not-run")];
+  return sections.filter((d) => !d.open).map((d) => {
+    const content = d.querySelector("table");
+    const height = () => d.getBoundingClientRect().height;
+    const closed = height(), hidden = !content.checkVisibility();
+    d.querySelector("summary").click();
+    const grew = height() - closed, shown = content.checkVisibility(), opened = d.open;
+    d.querySelector("summary").click();
+    return { name: d.dataset.file || d.id, hidden: hidden, shown: shown, grew: grew,
+             opened: opened, closed_again: !d.open && height() === closed };
+  });
+})()"""
+# Every comparison chart as Chromium laid it out: the screen x of the tolerance, the control
+# bar, the noise band's ends and each mark's centre, with what each stands for.
+_CHARTS = """(() => [...document.querySelectorAll("#comparisons svg.comparison")].map((svg) => {
+  const box = (el) => el.getBoundingClientRect();
+  const centre = (el) => { const b = box(el); return b.left + b.width / 2; };
+  const line = svg.querySelector("line.tolerance"), bar = svg.querySelector("line.bar");
+  const noise = svg.querySelector("rect.noise");
+  return {
+    cell: svg.dataset.cell, name: svg.dataset.name,
+    width: box(svg).width, height: box(svg).height,
+    tolerance: line ? centre(line) : null, bar: bar ? centre(bar) : null,
+    noise_left: noise ? box(noise).left : null, noise_right: noise ? box(noise).right : null,
+    runs: [...svg.querySelectorAll("circle.run")].map((c) => ({
+      label: c.dataset.label, value: Number(c.dataset.value), judged: c.dataset.judged === "true",
+      x: centre(c), width: box(c).width })),
+    controls: [...svg.querySelectorAll("path.control")].map((c) => ({
+      label: c.dataset.label, value: c.dataset.value, x: centre(c), width: box(c).width })),
+  };
+}))()"""
+# What the page shows, read in the page itself (the grid cells' text is what a person sees),
+# with every collapsed section opened for the reading and closed again after.
+_PAGE_FACTS = """(() => {
+  const closed = [...document.querySelectorAll("details")].filter((d) => !d.open);
+  closed.forEach((d) => { d.open = true; });
+  const text = (el) => (el ? el.innerText.trim() : null);
+  const facts = {
     headline: text(document.getElementById("headline")),
-    cells: [...document.querySelectorAll("#cells tr[data-cell]")].map((row) => ({
+    cells: [...document.querySelectorAll("table.cells tr[data-cell]")].map((row) => ({
       id: row.dataset.cell, text: text(row),
       status: text(row.querySelector("[data-status]")),
     })),
@@ -218,11 +274,13 @@ _PAGE_FACTS = """(() => {
         test: row.dataset.test, name: text(row.querySelector("th")),
         cell: td.dataset.cell, outcome: td.dataset.outcome || null, text: text(td),
       }))),
-    failures: [...document.querySelectorAll("details.failure")].map((d) => ({
+    failures: [...document.querySelectorAll("details.failure-text")].map((d) => ({
       cell: d.dataset.cell, test: d.dataset.test, summary: text(d.querySelector("summary")),
     })),
     rows: document.querySelectorAll("tr[data-test]").length,
   };
+  closed.forEach((d) => { d.open = false; });
+  return facts;
 })()"""
 _FILTER = """(() => {
   const box = document.getElementById("only-problems");
@@ -243,6 +301,9 @@ class PageLoad:
     requests: list[str] = field(default_factory=list)  # anything fetched but the page itself
     facts: dict[str, Any] = field(default_factory=dict)
     filtered: list[str] = field(default_factory=list)  # rows left by "only failed" filter
+    first_screen: dict[str, Any] = field(default_factory=dict)
+    collapsed: list[dict[str, Any]] = field(default_factory=list)  # each closed section, tried
+    charts: list[dict[str, Any]] = field(default_factory=list)
     screenshot: Path | None = None
 
 
@@ -257,6 +318,9 @@ def load_page(
     with DevTools(executable) as tools:
         tools.call("Page.navigate", {"url": url})
         tools.wait_for("Page.loadEventFired")
+        loaded.first_screen = tools.evaluate(_FIRST_SCREEN)
+        loaded.charts = tools.evaluate(_CHARTS)
+        loaded.collapsed = tools.evaluate(_COLLAPSED)
         loaded.facts = tools.evaluate(_PAGE_FACTS)
         loaded.filtered = tools.evaluate(_FILTER)
         if screenshot is not None:
@@ -302,7 +366,11 @@ class ReportCheck:
 
     def describe(self) -> str:
         facts = self.load.facts
-        seen = f"{len(facts.get('cells', []))} cells, {facts.get('rows', 0)} test rows"
+        seen = (
+            f"{len(facts.get('cells', []))} cells, {facts.get('rows', 0)} test rows in "
+            f"{len(self.load.collapsed)} collapsed sections, {len(self.load.charts)} comparison "
+            f"charts, {self.load.first_screen.get('page')} px tall"
+        )
         shot = f"; screenshot {self.load.screenshot}" if self.load.screenshot else ""
         if self.ok:
             return f"Chromium: report.html loads cleanly ({seen}){shot}"
@@ -354,4 +422,93 @@ def check_report(page: Path, report: Any, screenshot: Path | None = None) -> Rep
         problems.append(
             f"the 'only failed' filter leaves {len(load.filtered)} rows, not the {len(failing)} failing"
         )
+    problems += first_screen_problems(load.first_screen, report)
+    problems += collapsed_problems(load.collapsed)
+    problems += chart_problems(load.charts, report)
     return ReportCheck(load, problems)
+
+
+def first_screen_problems(seen: dict[str, Any], report: Any) -> list[str]:
+    """The first screen (VIEWPORT at the top of the page) must show the verdict, the headline
+    and the first failure's first line, or that there is none."""
+    height = seen.get("height") or VIEWPORT["height"]
+    problems = []
+    for key, what in (("verdict", "the verdict"), ("headline", "the headline")):
+        if seen.get(key) is None or seen[key] > height:
+            problems.append(f"first screen: {what} ends at {seen.get(key)} px, below {height}")
+    word = "PASSED" if report.ok else "FAILED"
+    if report.ok and not any(c.status != "not run" for c in report.cells):
+        word = "NOTHING RAN"
+    if not str(seen.get("verdict_text") or "").startswith(word):
+        problems.append(f"first screen: the verdict reads {seen.get('verdict_text')!r}, not {word}")
+    if report.ok:
+        if seen.get("no_failures") is None or seen["no_failures"] > height:
+            problems.append("first screen: 'No failures.' is not on it")
+    elif seen.get("failure_why") is None or seen["failure_why"] > height:
+        problems.append(
+            f"first screen: the first failure's line ends at {seen.get('failure_why')} px, "
+            f"below {height}"
+        )
+    return problems
+
+
+def collapsed_problems(sections: list[dict[str, Any]]) -> list[str]:
+    """Each collapsed section hides its content and shows it once opened."""
+    problems = []
+    for section in sections:
+        if not section["hidden"]:
+            problems.append(f"section {section['name']} is collapsed but its table shows")
+        if not (section["opened"] and section["shown"] and section["grew"] > 0):
+            problems.append(f"section {section['name']} does not show its table when opened")
+        if not section["closed_again"]:
+            problems.append(f"section {section['name']} does not close again")
+    return problems
+
+
+def chart_problems(charts: list[dict[str, Any]], report: Any) -> list[str]:
+    """Every judged comparison of the results is drawn, rendered (it has a size), and drawn
+    right: the noise band left of the tolerance, each judged run on the side of the tolerance
+    its delta is, each control at or past the bar it reached."""
+    problems = []
+    drawn = {(c["cell"], c["name"]): c for c in charts}
+    expected = {(cell.id, c.name): c for cell in report.cells for c in cell.comparisons}
+    for key in sorted(set(expected) - set(drawn)):
+        problems.append(f"comparison {key[1]} of {key[0]} is not drawn")
+    for key in sorted(set(drawn) - set(expected)):
+        problems.append(f"comparison {key[1]} of {key[0]} is drawn but not in the results")
+    for key in sorted(set(expected) & set(drawn)):
+        chart, comparison, where = drawn[key], expected[key], f"{key[0]} {key[1]}"
+        if not (chart["width"] > 0 and chart["height"] > 0) or chart["tolerance"] is None:
+            problems.append(f"chart {where} is not rendered")
+            continue
+        tolerance = chart["tolerance"]
+        if chart["noise_right"] is not None and chart["noise_right"] > tolerance + 1:
+            problems.append(f"chart {where}: the noise band reaches past the tolerance")
+        labels = sorted(r.label for r in comparison.runs)
+        if sorted(r["label"] for r in chart["runs"]) != labels:
+            problems.append(
+                f"chart {where}: runs {[r['label'] for r in chart['runs']]} != {labels}"
+            )
+        for run in chart["runs"]:
+            if not run["width"] > 0:
+                problems.append(f"chart {where}: run {run['label']} is not rendered")
+            elif run["judged"] and (run["value"] <= comparison.tolerance) != (
+                run["x"] <= tolerance + 1
+            ):
+                side = "left" if run["x"] <= tolerance + 1 else "right"
+                problems.append(
+                    f"chart {where}: run {run['label']} ({run['value']:g} nats, tolerance "
+                    f"{comparison.tolerance:g}) is drawn {side} of the tolerance"
+                )
+        if len(chart["controls"]) != len(comparison.controls):
+            problems.append(
+                f"chart {where}: {len(chart['controls'])} controls drawn, not "
+                f"{len(comparison.controls)}"
+            )
+        for control in chart["controls"]:
+            bar = chart["bar"] if chart["bar"] is not None else tolerance
+            if not control["width"] > 0 or control["x"] < bar - 1:
+                problems.append(
+                    f"chart {where}: control {control['label']} is drawn short of its bar"
+                )
+    return problems

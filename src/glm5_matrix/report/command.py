@@ -19,7 +19,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from glm5_matrix.matrix.matrix import MATRIX_FILE, load_matrix
+from glm5_matrix.errors import UserError
+from glm5_matrix.matrix.matrix import MATRIX_FILE, Matrix, load_matrix
 from glm5_matrix.report.junit import merged_junit
 from glm5_matrix.report.markdown import markdown
 from glm5_matrix.report.model import MatrixReport, collect
@@ -65,17 +66,36 @@ def register(subparsers: Any) -> None:
         "--check-browser",
         action="store_true",
         help="load report.html in headless Chromium: no console error, no request, every cell "
-        "and test on it; writes report.png beside it",
+        "and test on it, the verdict and first failure on its first screen, every comparison "
+        "drawn right, each collapsed section working; writes report.png beside it (exit 1 "
+        "when a check fails)",
     )
-    parser.set_defaults(func=_run)
+    parser.set_defaults(func=_run, preflight=_preflight)
+
+
+def _folders(args: argparse.Namespace) -> tuple[Path, Path]:
+    """(the results folder, the report's folder) the arguments name."""
+    results_dir = args.results or results_base(os.environ)
+    return results_dir, args.output or results_dir / REPORT_DIR
+
+
+def _preflight(args: argparse.Namespace) -> Matrix:
+    """The inputs checked before anything is written (and, under `nox -s report`, before the
+    harness environment is built): the results folder, the report's folder, the matrix."""
+    from glm5_matrix.files import repo_root
+
+    results_dir, out = _folders(args)
+    if not results_dir.is_dir():
+        what = "not a folder" if results_dir.exists() else "results folder not found"
+        raise UserError(f"{results_dir}: {what}")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out}: not a folder (--output names the folder to write the report in)")
+    return load_matrix(args.matrix or repo_root() / MATRIX_FILE)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from glm5_matrix.files import repo_root
-
-    results_dir = args.results or results_base(os.environ)
-    out = args.output or results_dir / REPORT_DIR
-    matrix = load_matrix(args.matrix or repo_root() / MATRIX_FILE)
+    results_dir, out = _folders(args)
+    matrix = _preflight(args)
     report = collect(matrix, results_dir, exclude=(out,))
     for path in write(report, out):
         print(f"wrote {path}")

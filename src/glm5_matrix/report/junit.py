@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from glm5_matrix.report.model import FAILED_OUTCOMES, MatrixReport, junit_cases
+from glm5_matrix.results.schema import JUNIT_FILE
 
 
 def merged_junit(report: MatrixReport) -> Any:
@@ -20,7 +21,7 @@ def merged_junit(report: MatrixReport) -> Any:
         suite.add_property("cell", cell.id)
         for dist, version in sorted(cell.versions.items()):
             suite.add_property(dist, version)
-        cases = junit_cases(cell.folder / "junit.xml") if cell.folder else {}
+        cases = junit_cases(cell.folder / JUNIT_FILE) if cell.folder else {}
         if cases:
             for case in cases.values():
                 case.classname = f"{cell.id}.{case.classname}" if case.classname else cell.id

@@ -20,7 +20,8 @@ from typing import Any
 from glm5_matrix.errors import UserError
 from glm5_matrix.matrix.guards import EXECUTED_FILE
 from glm5_matrix.matrix.matrix import Matrix, Variant
-from glm5_matrix.results.schema import RESULTS_FILE, first_line
+from glm5_matrix.report.comparisons import Comparison, comparisons
+from glm5_matrix.results.schema import CONTEXT_FILE, JUNIT_FILE, RESULTS_FILE, first_line
 
 STATUSES = ("passed", "failed", "skipped", "not run", "interrupted")
 FAILED_OUTCOMES = ("failed", "error", "xpassed")
@@ -66,6 +67,11 @@ class CellReport:
     @property
     def failures(self) -> list[TestResult]:
         return [t for t in self.tests if t.outcome in FAILED_OUTCOMES]
+
+    @property
+    def comparisons(self) -> list[Comparison]:
+        """The judged comparisons its figures record (glm5_matrix.report.comparisons)."""
+        return comparisons(self.figures, {t.nodeid: t.message for t in self.failures})
 
     @property
     def label(self) -> str:
@@ -180,7 +186,7 @@ def collect(matrix: Matrix, results_dir: Path, exclude: tuple[Path, ...] = ()) -
     for folder in sorted(p for p in results_dir.iterdir() if p.is_dir()):
         if folder.name in known or folder.resolve() in skipped:
             continue
-        if not any((folder / name).is_file() for name in (RESULTS_FILE, "context.json")):
+        if not any((folder / name).is_file() for name in (RESULTS_FILE, CONTEXT_FILE)):
             continue  # not a cell's folder
         data = _load_json(folder / RESULTS_FILE) or {}
         cell_id = str((data.get("cell") or {}).get("id") or folder.name)
@@ -214,12 +220,12 @@ def _read_cell(folder: Path, cell_id: str, slug: str, variant: Variant | None) -
     )
     if not folder.is_dir():
         return cell
-    context = _load_json(folder / "context.json")
+    context = _load_json(folder / CONTEXT_FILE)
     data = _load_json(folder / RESULTS_FILE)
     if data is None:
         cell.status, cell.reason = "interrupted", f"no {RESULTS_FILE} (the run ended early)"
         cell.context = context or {}
-        cell.tests = _junit_tests(folder / "junit.xml", [])
+        cell.tests = _junit_tests(folder / JUNIT_FILE, [])
         return cell
     if "_unreadable" in data:
         cell.status, cell.reason = "interrupted", str(data["_unreadable"])
@@ -231,7 +237,7 @@ def _read_cell(folder: Path, cell_id: str, slug: str, variant: Variant | None) -
     cell.engine_starts = [s for s in data.get("engine_starts") or [] if isinstance(s, dict)]
     cell.figures = [f for f in data.get("figures") or [] if isinstance(f, dict)]
     cell.versions = dict(data.get("versions") or {})
-    cell.tests = _junit_tests(folder / "junit.xml", _recorded_tests(data))
+    cell.tests = _junit_tests(folder / JUNIT_FILE, _recorded_tests(data))
     cell.status, cell.reason = _status(data, cell)
     if cell.status == "passed":  # the runner's check after the tests (glm5_matrix.results.executed)
         unguarded = _unguarded(folder / EXECUTED_FILE)

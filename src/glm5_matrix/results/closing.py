@@ -1,7 +1,9 @@
 """What the runner side writes and says about a cell's results: the record of how a run ended
-(record_ending, by the cell's supervisor), results.json for a cell that preflight skipped
-(write_skip) and for one that runs commands instead of pytest (CommandResults), and the
-summary line the runner prints at the end of a cell (summarize).
+(record_ending, by the cell's supervisor), what the runner's kill domain adds to it after the
+supervisor (record_kill_domain), results.json for a cell that preflight skipped (write_skip) and
+for one that runs commands instead of pytest (CommandResults), and the summary line the runner
+prints at the end of a cell (summarize). Every write of results.json outside the cell's own
+plugin (glm5_matrix.results.recorder) is here.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ from typing import Any
 from glm5_matrix.files import write_json_atomic
 from glm5_matrix.results.junit import mark_junit_incomplete, write_junit
 from glm5_matrix.results.schema import (
+    CONTEXT_FILE,
+    JUNIT_FILE,
     RESULTS_FILE,
     count_outcomes,
     describe_ending,
+    ending,
     first_line,
     load,
     mark_interrupted,
@@ -73,9 +78,48 @@ def record_ending(
     return data
 
 
+def record_kill_domain(
+    results_dir: Path, domain: Mapping[str, Any], killed: Sequence[int], seconds: float
+) -> None:
+    """results.json after the runner stopped the cell's kill domain (`domain`: its record, with
+    its mechanism; `killed`: the pids it killed, `seconds` after the command began): where the
+    supervisor recorded how the run ended, what the runner killed after it; where it did not
+    (it was killed, or died), an ending that says so."""
+    data = load(results_dir)
+    recorded = data is not None and data.get("exit_status") is not None
+    stopped = {
+        **domain,
+        "stopped_by": "supervisor" if recorded else "runner",
+        "killed": len(killed),
+    }
+    if recorded:
+        assert data is not None
+        if not killed:
+            return
+        stopped["killed_by_runner"] = len(killed)
+        stopped["killed"] = (data.get("kill_domain") or {}).get("killed", 0)
+        data["kill_domain"] = stopped
+        write_json_atomic(results_dir / RESULTS_FILE, data)
+        return
+    detail = (
+        "the supervisor ended without recording how the run ended (it was killed or died); "
+        f"the cell's kill domain ({domain['mechanism']}) killed {len(killed)} "
+        "process(es) left"
+    )
+    record_ending(
+        results_dir,
+        ending("process-died", detail),
+        1,
+        seconds,
+        [f"pid {pid} killed with the cell's kill domain" for pid in killed],
+        junit=results_dir / JUNIT_FILE,
+        kill_domain=stopped,
+    )
+
+
 def _context(results_dir: Path) -> Any:
     try:
-        return json.loads((results_dir / "context.json").read_text())
+        return json.loads((results_dir / CONTEXT_FILE).read_text())
     except (OSError, ValueError):
         return None
 
@@ -100,7 +144,7 @@ def write_skip(results_dir: Path, context: dict[str, Any], reason: str) -> None:
     """A cell that preflight skipped (its hardware is missing): results.json says why, so that
     a report tells "skipped: needs 2 GPU(s) ..." from "not run". Whatever an earlier run left
     in the folder goes first: nothing of it is this run's."""
-    for name in (RESULTS_FILE, "junit.xml", "context.json"):
+    for name in (RESULTS_FILE, JUNIT_FILE, CONTEXT_FILE):
         (results_dir / name).unlink(missing_ok=True)
     write_json_atomic(results_dir / RESULTS_FILE, _record(context, 0, 0.0, skipped=reason))
 

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 RESULTS_FILE = "results.json"
+# The cell's context (glm5_matrix.matrix.context), written by the runner beside results.json.
+CONTEXT_FILE = "context.json"
 # The greedy outputs the comparisons judged (recorder.record_outputs), beside results.json.
 OUTPUTS_FILE = "outputs.json"
 RESULTS_VARIABLE = "GLM5_MATRIX_RESULTS"  # where the cells' results folders go

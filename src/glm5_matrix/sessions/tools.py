@@ -2,10 +2,18 @@
 environment, which holds what they need (junitparser, PyYAML, mkdocs), built and reused like a
 cell's (under .nox/tools, or GLM5_MATRIX_VENVS), or in GLM5_MATRIX_PYTHON's interpreter where one
 is given. The session's arguments go to `glm5-matrix` (run_module: to another module of that
-environment, mkdocs for the docs site); its exit status is the session's."""
+environment, mkdocs for the docs site); its exit status is the session's.
+
+The arguments of `glm5-matrix` are parsed first here, in nox's own process, by the command's own
+parser (the noxfile hands in `glm5_matrix.cli.build_parser()`), and the command's preflight
+checks its inputs: `--help` answers, and a bad argument or input is one line, before the
+environment is built."""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
 import os
 from pathlib import Path
 
@@ -16,16 +24,40 @@ from glm5_matrix.sessions.nox_session import NoxSession
 
 ENV = "harness"
 VENV = "tools"
-VENVS_VARIABLE = "GLM5_MATRIX_VENVS"  # as the runner's
 
 
 def venv_dir(environ: dict[str, str]) -> Path:
-    return Path(environ.get(VENVS_VARIABLE) or repo_root() / ".nox") / VENV
+    return environments.venvs_base(environ) / VENV
 
 
-def run(session: NoxSession, argv: list[str]) -> None:
-    """`glm5-matrix ARGV...` in the harness environment. `session` is a nox.Session."""
-    run_module(session, "glm5_matrix.cli", argv)
+def parse(session: NoxSession, argv: list[str], parser: argparse.ArgumentParser) -> bool:
+    """Whether `glm5-matrix ARGV...` is to run: False where it only asked for help (printed
+    here); a bad argument, or an input the command's preflight refuses, ends the session with
+    argparse's or the preflight's one line."""
+    printed, errors = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(errors):
+            args = parser.parse_args(argv)
+    except SystemExit as exc:
+        if not exc.code:  # --help, --version
+            print(printed.getvalue(), end="")
+            return False
+        lines = errors.getvalue().strip().splitlines() or ["bad arguments"]
+        session.error(lines[-1])
+    preflight = getattr(args, "preflight", None)
+    if preflight is not None:
+        try:
+            preflight(args)
+        except UserError as exc:
+            session.error(f"glm5-matrix {args.command}: error: {exc}")
+    return True
+
+
+def run(session: NoxSession, argv: list[str], parser: argparse.ArgumentParser) -> None:
+    """`glm5-matrix ARGV...` in the harness environment, once parse() has passed it.
+    `session` is a nox.Session; `parser` the CLI's (glm5_matrix.cli.build_parser())."""
+    if parse(session, argv, parser):
+        run_module(session, "glm5_matrix.cli", argv)
 
 
 def run_module(session: NoxSession, module: str, argv: list[str]) -> None:

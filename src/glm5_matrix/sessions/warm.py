@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from glm5_matrix.errors import UserError
-from glm5_matrix.kernels import gpu_models, kernel_archive, kernel_cache
+from glm5_matrix.kernels import gpu_models, kernel_archive, kernel_cache, kernel_guard
 from glm5_matrix.machine import hardware
 from glm5_matrix.matrix.context import LEDGER_VARIABLE
 from glm5_matrix.matrix.matrix import ENGINE_SUITES, Matrix, Variant
@@ -190,7 +190,7 @@ def run(session: NoxSession, matrix: Matrix) -> None:
                     posargs=list(options.cell_args),
                     tests=(WARM_SUITE,),
                     out=out,
-                    environment={kernel_cache.GUARD_VARIABLE: "0", LEDGER_VARIABLE: str(ledger)},
+                    environment={kernel_guard.GUARD_VARIABLE: "0", LEDGER_VARIABLE: str(ledger)},
                 )
             finally:
                 lines += summary_lines(variant, out)
@@ -212,19 +212,27 @@ def run(session: NoxSession, matrix: Matrix) -> None:
             record = gpu_models.add_warmed(kernels, models)
             session.log(f"warm: the kernel cache records GPU models {record.describe()}")
     if options.export:
-        if len(caches) != 1:
-            session.error(
-                f"--export: the cells used {len(caches)} kernel caches "
-                f"({', '.join(d.name for d in caches)}); export one with glm5-matrix kernel-cache"
-            )
-        try:
-            done = kernel_archive.export_archive(
-                next(iter(caches.values())),
-                Path(options.export),
-                compression=options.compression,
-                part_size_mib=options.part_size,
-            )
-        except UserError as exc:
-            session.error(str(exc))
-        session.log(f"warm: exported {done.describe()}")
-        session.log("warm: written " + " ".join(str(p) for p in done.written))
+        export(session, options, caches)
+
+
+def export(
+    session: NoxSession, options: WarmOptions, caches: dict[Path, kernel_cache.KernelCache]
+) -> None:
+    """--export: the archive of the one kernel cache the cells used."""
+    assert options.export is not None
+    if len(caches) != 1:
+        session.error(
+            f"--export: the cells used {len(caches)} kernel caches "
+            f"({', '.join(d.name for d in caches)}); export one with glm5-matrix kernel-cache"
+        )
+    try:
+        done = kernel_archive.export_archive(
+            next(iter(caches.values())),
+            Path(options.export),
+            compression=options.compression,
+            part_size_mib=options.part_size,
+        )
+    except UserError as exc:
+        session.error(str(exc))
+    session.log(f"warm: exported {done.describe()}")
+    session.log("warm: written " + " ".join(str(p) for p in done.written))

@@ -31,7 +31,6 @@ from glm5_matrix.upstream import findings, outcome, patching
 
 ENV = "cpu"
 VENV = "upstream"
-VENVS_VARIABLE = "GLM5_MATRIX_VENVS"  # as the runner's
 MODEL_CODE = "from glm5_matrix.models.tiny_hybrid import ensure_model; print(ensure_model())"
 
 
@@ -56,7 +55,7 @@ def run(session: NoxSession) -> None:
         args = parse(list(session.posargs), [f.name for f in cpu])
         chosen = [f for f in cpu if not args.names or f.name in args.names]
         env = environments.load_envs(root)[ENV]
-        venvs = Path(environ.get(VENVS_VARIABLE) or root / ".nox")
+        venvs = environments.venvs_base(environ)
         built = environments.build(
             env, venvs / VENV, run=lambda cmd: session.run_install(*cmd, external=True, silent=True)
         )

@@ -8,10 +8,10 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
-import threading
 from pathlib import Path
 
 import pytest
+from checkpoint_readback import hasher_threads
 
 from glm5_matrix.checkpoints import copying
 from glm5_matrix.checkpoints.copying import HashingCopier
@@ -27,10 +27,6 @@ def source(tmp_path) -> Path:
 
 def open_fds() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
-
-
-def hasher_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("glm5-sha256")]
 
 
 def expected(source: Path, prefix: bytes, runs: list[tuple[int, int]]) -> bytes:

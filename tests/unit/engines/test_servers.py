@@ -18,16 +18,12 @@ import time
 from pathlib import Path
 
 import pytest
+from polling import alive
 from scaffold import serve_http
 
 from glm5_matrix.engines import servers
 from glm5_matrix.machine import processes
 from glm5_matrix.results import recorder
-
-
-def _alive(pid: int) -> bool:
-    stat = processes.proc_stat(pid)
-    return stat is not None and stat[0] != "Z"
 
 
 def _wait_for_file(path: Path, seconds: float = 30.0) -> str:
@@ -115,11 +111,11 @@ def test_stop_process_group_kills_child_and_grandchild(tmp_path: Path) -> None:
     )
     try:
         grandchild = int(_wait_for_file(pid_file))
-        assert _alive(proc.pid) and _alive(grandchild)
+        assert alive(proc.pid) and alive(grandchild)
         assert sorted(processes.group_members(proc.pid)) == sorted([proc.pid, grandchild])
         assert processes.stop_process_group(proc, grace_seconds=1.0, kill_seconds=10.0)
-        assert not _alive(proc.pid)
-        assert not _alive(grandchild)
+        assert not alive(proc.pid)
+        assert not alive(grandchild)
         assert processes.group_members(proc.pid) == []
         assert proc.returncode == -9  # SIGTERM was ignored: SIGKILL did it
     finally:
@@ -301,11 +297,11 @@ def test_start_and_stop_a_server(tmp_path: Path) -> None:
         assert seen["args"][6:] == ["--max-model-len", "64"]
         assert seen["pgid"] == server.proc.pid  # its own process group
         assert server.port != server.side_channel_port
-        assert _alive(seen["child"])
+        assert alive(seen["child"])
         assert server.log_path == tmp_path / "logs" / "server-stub.log"
         assert server.log_path.read_text().startswith("$ ")
-    assert not _alive(server.proc.pid)
-    assert not _alive(seen["child"])
+    assert not alive(server.proc.pid)
+    assert not alive(seen["child"])
     assert not Path(seen["env"]["VLLM_RPC_BASE_PATH"]).exists()
     starts = recorder.engine_starts()[starts_before:]
     assert [s.label for s in starts] == ["server:stub"]
@@ -415,7 +411,7 @@ def test_server_devices_outside_the_cell_are_an_error(positions, visible):
 def test_a_server_start_records_what_it_compiled_and_the_guard_fails_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from glm5_matrix.kernels import kernel_cache
+    from glm5_matrix.kernels import kernel_cache, kernel_guard
 
     monkeypatch.setenv("GLM5_MATRIX_GPUS", "9.0")
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
@@ -425,7 +421,7 @@ def test_a_server_start_records_what_it_compiled_and_the_guard_fails_it(
         "STUB_REPORT": str(tmp_path / "report.json"),
         "STUB_COMPILE": "_fwd_kernel.cubin",
     }
-    monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "0")
+    monkeypatch.setenv(kernel_guard.GUARD_VARIABLE, "0")
     starts_before = len(recorder.engine_starts())
     with servers.VllmServer("compiles", "/m", env=env, log_dir=tmp_path / "a"):
         pass
@@ -437,12 +433,12 @@ def test_a_server_start_records_what_it_compiled_and_the_guard_fails_it(
         os.environ[kernel_cache.ACTIVE_VARIABLE]
     )
 
-    monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "1")
+    monkeypatch.setenv(kernel_guard.GUARD_VARIABLE, "1")
     server = servers.VllmServer(
         "compiles-again", "/m", env={**env, "STUB_COMPILE": "_other.cubin"}, log_dir=tmp_path / "b"
     )
     with pytest.raises(
-        kernel_cache.KernelCompiled, match=r"triton: 1 file\(s\) \(HASH/_other.cubin\)"
+        kernel_guard.KernelCompiled, match=r"triton: 1 file\(s\) \(HASH/_other.cubin\)"
     ):
         server.start()
     assert server.group_members_left() == [], "the refused server was not stopped"
@@ -476,14 +472,14 @@ def test_a_kernel_another_process_compiles_during_a_server_start_never_fails_it(
     import subprocess
     import sys
 
-    from glm5_matrix.kernels import kernel_cache, writers
+    from glm5_matrix.kernels import kernel_cache, kernel_guard, writers
 
     # The unit tests may run in a kill-domain cgroup (nox), which the stranger would inherit.
     monkeypatch.setattr(writers, "_domain_cgroups", lambda pid="self": {})
     monkeypatch.setenv("GLM5_MATRIX_GPUS", "9.0")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     monkeypatch.setenv(kernel_cache.ACTIVE_VARIABLE, str(tmp_path))
-    monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "1")
+    monkeypatch.setenv(kernel_guard.GUARD_VARIABLE, "1")
     (tmp_path / "triton").mkdir()
     done = tmp_path / "stranger.done"
     env = {

@@ -1,6 +1,6 @@
 """glm5_matrix.engines.specs without vLLM: the MoE backend mapping, the engine arguments a cell
-gets, and when the JIT monitor joins them (kernel_cache.jit_monitor_mode, the guard's side of it, is
-tested in kernels/test_kernel_cache.py)."""
+gets, and when the JIT monitor joins them (kernel_guard.jit_monitor_mode, the guard's side of it, is
+tested in kernels/test_kernel_guard.py)."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def test_engine_spec_uses_random_weights_and_refuses_harness_args(monkeypatch) -
 
 
 def test_jit_monitor_joins_only_where_the_guard_asks_and_the_spec_is_silent(monkeypatch) -> None:
-    from glm5_matrix.kernels import kernel_cache
+    from glm5_matrix.kernels import kernel_guard
 
     asked: list[bool] = []
 
@@ -64,7 +64,7 @@ def test_jit_monitor_joins_only_where_the_guard_asks_and_the_spec_is_silent(monk
         asked.append(enforce_eager)
         return None if enforce_eager else "error"
 
-    monkeypatch.setattr(kernel_cache, "jit_monitor_mode", mode)
+    monkeypatch.setattr(kernel_guard, "jit_monitor_mode", mode)
     compiled = specs.EngineSpec("c", "m", {"enforce_eager": False})
     assert specs.jit_monitor_args(compiled) == {"jit_monitor_mode": "error"}
     assert specs.jit_monitor_args(specs.EngineSpec("e", "m", {"enforce_eager": True})) == {}

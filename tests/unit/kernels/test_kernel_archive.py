@@ -239,7 +239,11 @@ def test_the_command_exports_imports_and_refuses_another_gpu(tmp_path: Path) -> 
     shown = _cli("show", "--python", sys.executable, **here)
     assert shown.returncode == 0, shown.stderr
     assert "_sm90_" in shown.stdout and "triton" in shown.stdout
-    key_dir = next((tmp_path / "root").iterdir())
+    # show creates nothing: it names the key folder a cell would fill
+    assert "(not created yet: nothing compiled here)" in shown.stdout
+    assert not (tmp_path / "root").exists()
+    key_dir = Path(shown.stdout.split()[2])
+    assert key_dir.parent == tmp_path / "root"
     (key_dir / "triton" / "H").mkdir(parents=True)
     (key_dir / "triton" / "H" / "k.cubin").write_bytes(b"k")
     exported = _cli("export", str(tmp_path / "k.tar.gz"), "--python", sys.executable, **here)
@@ -253,3 +257,39 @@ def test_the_command_exports_imports_and_refuses_another_gpu(tmp_path: Path) -> 
     refused = _cli("import", str(tmp_path / "k.tar.gz"), "--python", sys.executable, **elsewhere)
     assert refused.returncode == 2
     assert refused.stderr.count("\n") == 1 and "gpu_arch sm90 != sm100" in refused.stderr
+    # the refused archive left no key folder for sm100 behind
+    assert [p.name for p in (tmp_path / "root").iterdir() if p.is_dir()] == [key_dir.name]
+
+
+def test_a_refused_import_through_the_command_creates_nothing(tmp_path: Path) -> None:
+    """Issue 49: `kernel-cache import /nonexistent` failed, but only after creating the key
+    folder and its nine library folders. A missing archive, a folder and a binary file are each
+    one line, exit 2, and the kernel cache's root is never created."""
+    root = tmp_path / "root"
+    here = {"GLM5_MATRIX_KERNEL_CACHE": str(root), "GLM5_MATRIX_GPUS": ""}
+    folder = tmp_path / "a-folder"
+    folder.mkdir()
+    binary = tmp_path / "binary.tar.gz"
+    binary.write_bytes(os.urandom(3000))
+    for given, expected in (
+        (tmp_path / "nonexistent", "kernel cache archive not found"),
+        (folder, "a folder, not a kernel cache archive"),
+        (binary, "not a readable kernel cache archive"),
+    ):
+        done = _cli("import", str(given), "--python", sys.executable, **here)
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.count("\n") == 1 and expected in done.stderr, done.stderr
+        assert not root.exists(), f"importing {given.name} created {root}"
+    # export creates nothing either: there is no cache here to export
+    done = _cli("export", str(folder), "--python", sys.executable, **here)
+    assert done.returncode == 2 and "no kernel cache here to export" in done.stderr
+    assert not root.exists()
+
+
+def test_an_export_onto_a_folder_is_one_line(tmp_path: Path) -> None:
+    kernels = _cache(tmp_path / "a")
+    _fill(kernels)
+    (tmp_path / "out").mkdir()
+    with pytest.raises(UserError, match="a folder \\(name the archive file to write\\)"):
+        kernel_archive.export_archive(kernels, tmp_path / "out")
+    assert list((tmp_path / "out").iterdir()) == []

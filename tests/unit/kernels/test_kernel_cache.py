@@ -1,5 +1,6 @@
 """glm5_matrix.kernels.kernel_cache: the key, the layout, the user's own variables, reading an
-interpreter's versions without importing its packages, telling what was compiled, the guard."""
+interpreter's versions without importing its packages, telling what was compiled (the guard that
+refuses it: test_kernel_guard.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from scaffold import KERNEL_KEY
 
 from glm5_matrix.cache import CACHE_VARIABLE
-from glm5_matrix.kernels import kernel_cache
+from glm5_matrix.kernels import kernel_cache, kernel_guard
 
 KEY = KERNEL_KEY
 
@@ -22,7 +23,7 @@ def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """No library variable of the real environment leaks in; the root is a temporary folder."""
     for library in kernel_cache.LIBRARIES:
         monkeypatch.delenv(library.variable, raising=False)
-    for name in (kernel_cache.ACTIVE_VARIABLE, kernel_cache.GUARD_VARIABLE, "GLM5_MATRIX_STRICT"):
+    for name in (kernel_cache.ACTIVE_VARIABLE, kernel_guard.GUARD_VARIABLE, "GLM5_MATRIX_STRICT"):
         monkeypatch.delenv(name, raising=False)
     root = tmp_path / "kernels"
     monkeypatch.setenv(kernel_cache.ROOT_VARIABLE, str(root))
@@ -185,17 +186,16 @@ def test_written_counts_new_and_rewritten_files_only(clean_env: Path, monkeypatc
     assert all(not paths for name, paths in changed.items() if name not in ("triton", "flashinfer"))
     assert set(changed) == {lib.name for lib in kernel_cache.LIBRARIES}
     assert old.is_file()
-    monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "0")
-    record = kernel_cache.compile_record(changed, 12.345, before)
+    record = kernel_cache.compile_record(changed, 12.345, before, guard=False)
     assert record["seconds"] == 12.35
     assert record["entries_added"]["triton"] == 1 and record["entries_added"]["vllm"] == 0
     assert record["files_before"] == 2  # old_kernel.cubin and sampling.so, not Old.json
     assert record["guard"] is False
-    monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "1")  # the report marks such a start
-    assert kernel_cache.compile_record(changed, None, before)["guard"] is True
+    # the report marks such a start
+    assert kernel_cache.compile_record(changed, None, before, guard=True)["guard"] is True
     # A start on an empty cache is the cold start engine_start.py compares against.
     empty = {name: {} for name in before}
-    assert kernel_cache.compile_record(changed, None, empty)["files_before"] == 0
+    assert kernel_cache.compile_record(changed, None, empty, guard=False)["files_before"] == 0
 
 
 def _bump_mtime(path: Path) -> None:
@@ -251,38 +251,9 @@ def test_a_cache_hit_that_touches_files_is_no_compile_a_new_kernel_is(
     ]
     assert changed["triton"] == ["K/big.cubin", "K/k.ptx"]
     assert changed["vllm"] == [] and changed["flashinfer"] == []
-    monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "1")
-    with pytest.raises(kernel_cache.KernelCompiled, match=r"deep_gemm: 5 file\(s\)"):
-        kernel_cache.refuse_compiled(changed, "the start of engine e")
-
-
-def test_guard_setting_follows_strict_unless_set(monkeypatch) -> None:
-    monkeypatch.delenv(kernel_cache.GUARD_VARIABLE, raising=False)
-    monkeypatch.delenv("GLM5_MATRIX_STRICT", raising=False)
-    assert not kernel_cache.guard_enabled()
-    monkeypatch.setenv("GLM5_MATRIX_STRICT", "1")
-    assert kernel_cache.guard_enabled()
-    monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "0")  # the warm step turns it off
-    assert not kernel_cache.guard_enabled()
-    monkeypatch.delenv("GLM5_MATRIX_STRICT")
-    monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "1")
-    assert kernel_cache.guard_enabled()
-
-
-def test_refuse_compiled_names_the_files_when_the_guard_is_on(monkeypatch) -> None:
-    changed = {"triton": [f"K{i}/k{i}.cubin" for i in range(6)], "flashinfer": []}
-    monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "0")
-    kernel_cache.refuse_compiled(changed, "the start of engine e")  # off: nothing
-    monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "1")
-    kernel_cache.refuse_compiled({"triton": []}, "the start of engine e")  # nothing compiled
-    with pytest.raises(kernel_cache.KernelCompiled) as raised:
-        kernel_cache.refuse_compiled(changed, "the start of engine e")
-    message = str(raised.value)
-    assert "during the start of engine e" in message
-    assert "triton: 6 file(s) (K0/k0.cubin, K1/k1.cubin, K2/k2.cubin, K3/k3.cubin, ... 2 more)" in (
-        message
-    )
-    assert "flashinfer" not in message and "\n" not in message
+    monkeypatch.setenv(kernel_guard.GUARD_VARIABLE, "1")
+    with pytest.raises(kernel_guard.KernelCompiled, match=r"deep_gemm: 5 file\(s\)"):
+        kernel_guard.refuse_compiled(changed, "the start of engine e")
 
 
 def test_the_record_lists_the_counted_files_first(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -299,23 +270,10 @@ def test_the_record_lists_the_counted_files_first(monkeypatch: pytest.MonkeyPatc
     ]
     empty: kernel_cache.Snapshot = {}
     record = kernel_cache.compile_record(
-        {"triton": ["C0/k.cubin", "C1/k.cubin"]}, None, empty, writes
+        {"triton": ["C0/k.cubin", "C1/k.cubin"]}, None, empty, writes, guard=True
     )
     listed = record["written"]
     assert isinstance(listed, list)
     assert [w["path"] for w in listed] == ["C0/k.cubin", "C1/k.cubin", "S0/k.cubin"]
     assert record["written_total"] == 6
     assert record["not_counted"] == {"triton": 4}
-
-
-def test_jit_monitor_mode_needs_the_guard(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "0")
-    assert kernel_cache.jit_monitor_mode(False) is None
-    monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "1")
-    assert kernel_cache.jit_monitor_mode(True) is None  # vLLM disables it under enforce_eager
-    try:
-        import vllm.engine.arg_utils  # noqa: F401
-    except ImportError:  # the harness environment: no vLLM, so no monitor to ask for
-        assert kernel_cache.jit_monitor_mode(False) is None
-    else:
-        assert kernel_cache.jit_monitor_mode(False) == "error"

@@ -1,6 +1,7 @@
 """The kernel guard plugin run for real (pytester): a test or fixture that plants a kernel file in
 a library's cache folder fails naming it when the guard is on; the same suite passes with the
-guard off, and locks or temporary files never trip it."""
+guard off, and locks or temporary files never trip it. Then the guard's policy: when it is on,
+what a refused start says, when vLLM's jit monitor joins."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from glm5_matrix.kernels import kernel_cache
+from glm5_matrix.kernels import kernel_cache, kernel_guard
 
 pytest_plugins = ("pytester",)
 
@@ -60,7 +61,7 @@ def caches(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 def test_the_guard_fails_what_compiled_naming_the_kernel(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, caches: Path
 ) -> None:
-    monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "1")
+    monkeypatch.setenv(kernel_guard.GUARD_VARIABLE, "1")
     pytester.makepyfile(test_cell=SUITE)
     run = pytester.runpytest("-p", "glm5_matrix.kernels.kernel_guard", "-rfE")
     run.assert_outcomes(passed=2, failed=2, errors=1)
@@ -76,7 +77,7 @@ def test_the_guard_fails_what_compiled_naming_the_kernel(
 def test_with_the_guard_off_the_same_suite_passes(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, caches: Path
 ) -> None:
-    monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "0")
+    monkeypatch.setenv(kernel_guard.GUARD_VARIABLE, "0")
     monkeypatch.setenv("GLM5_MATRIX_STRICT", "1")  # strict, but the guard was turned off
     pytester.makepyfile(test_cell=SUITE)
     pytester.runpytest("-p", "glm5_matrix.kernels.kernel_guard").assert_outcomes(passed=4, failed=1)
@@ -85,7 +86,7 @@ def test_with_the_guard_off_the_same_suite_passes(
 def test_strict_turns_the_guard_on(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, caches: Path
 ) -> None:
-    monkeypatch.delenv(kernel_cache.GUARD_VARIABLE, raising=False)
+    monkeypatch.delenv(kernel_guard.GUARD_VARIABLE, raising=False)
     monkeypatch.setenv("GLM5_MATRIX_STRICT", "1")
     pytester.makepyfile(test_cell=SUITE)
     pytester.runpytest("-p", "glm5_matrix.kernels.kernel_guard").assert_outcomes(
@@ -159,7 +160,7 @@ def test_what_another_process_compiles_never_fails_a_test(
     # The unit tests may run in a kill-domain cgroup of their own (nox), which the stranger
     # would inherit: here the cell is this process and its descendants.
     monkeypatch.setattr(writers, "_domain_cgroups", lambda pid="self": {})
-    monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "1")
+    monkeypatch.setenv(kernel_guard.GUARD_VARIABLE, "1")
     pytester.makepyfile(test_cell=STRANGER_SUITE)
     run = pytester.runpytest("-p", "glm5_matrix.kernels.kernel_guard", "-rfE", "-rP")
     run.assert_outcomes(passed=1, failed=1)
@@ -168,3 +169,48 @@ def test_what_another_process_compiles_never_fails_a_test(
     assert "file(s) (STRANGER" not in out
     # Each test: the stranger's kernel and its .done file, named as not counted.
     assert out.count("2 written by process(es) outside the cell") == 2
+
+
+# --- the policy, as the engines' starts and the runner read it ---------------------------------
+
+
+def test_guard_setting_follows_strict_unless_set(monkeypatch) -> None:
+    monkeypatch.delenv(kernel_guard.GUARD_VARIABLE, raising=False)
+    monkeypatch.delenv("GLM5_MATRIX_STRICT", raising=False)
+    assert not kernel_guard.guard_enabled()
+    monkeypatch.setenv("GLM5_MATRIX_STRICT", "1")
+    assert kernel_guard.guard_enabled()
+    monkeypatch.setenv(kernel_guard.GUARD_VARIABLE, "0")  # the warm step turns it off
+    assert not kernel_guard.guard_enabled()
+    monkeypatch.delenv("GLM5_MATRIX_STRICT")
+    monkeypatch.setenv(kernel_guard.GUARD_VARIABLE, "1")
+    assert kernel_guard.guard_enabled()
+
+
+def test_refuse_compiled_names_the_files_when_the_guard_is_on(monkeypatch) -> None:
+    changed = {"triton": [f"K{i}/k{i}.cubin" for i in range(6)], "flashinfer": []}
+    monkeypatch.setenv(kernel_guard.GUARD_VARIABLE, "0")
+    kernel_guard.refuse_compiled(changed, "the start of engine e")  # off: nothing
+    monkeypatch.setenv(kernel_guard.GUARD_VARIABLE, "1")
+    kernel_guard.refuse_compiled({"triton": []}, "the start of engine e")  # nothing compiled
+    with pytest.raises(kernel_guard.KernelCompiled) as raised:
+        kernel_guard.refuse_compiled(changed, "the start of engine e")
+    message = str(raised.value)
+    assert "during the start of engine e" in message
+    assert "triton: 6 file(s) (K0/k0.cubin, K1/k1.cubin, K2/k2.cubin, K3/k3.cubin, ... 2 more)" in (
+        message
+    )
+    assert "flashinfer" not in message and "\n" not in message
+
+
+def test_jit_monitor_mode_needs_the_guard(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(kernel_guard.GUARD_VARIABLE, "0")
+    assert kernel_guard.jit_monitor_mode(False) is None
+    monkeypatch.setenv(kernel_guard.GUARD_VARIABLE, "1")
+    assert kernel_guard.jit_monitor_mode(True) is None  # vLLM disables it under enforce_eager
+    try:
+        import vllm.engine.arg_utils  # noqa: F401
+    except ImportError:  # the harness environment: no vLLM, so no monitor to ask for
+        assert kernel_guard.jit_monitor_mode(False) is None
+    else:
+        assert kernel_guard.jit_monitor_mode(False) == "error"

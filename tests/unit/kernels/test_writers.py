@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from glm5_matrix.kernels import kernel_cache, writers
+from glm5_matrix.kernels import kernel_cache, kernel_guard, writers
 from glm5_matrix.kernels.writers import CELL, OTHER, UNSEEN, FileWrite, Sighting
 
 MODULES = ".cache/flashinfer/0.7.2/90a/cached_ops"
@@ -195,9 +195,9 @@ def test_two_processes_on_one_cache_only_the_cells_files_count(
             assert write.pids == (pids["stranger" if write.writer == OTHER else "cell"],)
     assert writers.counted(writes) == files_of("cell")
     # Under the guard the cell fails on its own files, the stranger's named as not counted.
-    monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "1")
-    with pytest.raises(kernel_cache.KernelCompiled) as refused:
-        kernel_cache.refuse_compiled(
+    monkeypatch.setenv(kernel_guard.GUARD_VARIABLE, "1")
+    with pytest.raises(kernel_guard.KernelCompiled) as refused:
+        kernel_guard.refuse_compiled(
             writers.counted(writes), "the start", writers.describe_not_counted(writes)
         )
     text = str(refused.value)
@@ -214,16 +214,16 @@ def test_a_stranger_alone_never_fails_the_cell(
     writes, _ = run_writers(cache, ("stranger",))
     assert by_writer(writes) == {OTHER: files_of("stranger")}
     assert writers.counted(writes) == {"flashinfer": [], "triton": []}
-    monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "1")
-    kernel_cache.refuse_compiled(writers.counted(writes), "the start")  # no raise
+    monkeypatch.setenv(kernel_guard.GUARD_VARIABLE, "1")
+    kernel_guard.refuse_compiled(writers.counted(writes), "the start")  # no raise
 
 
 def test_the_cell_alone_still_fails(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     writes, _ = run_writers(cache, ("cell",))
     assert writers.counted(writes) == files_of("cell")
-    monkeypatch.setenv(kernel_cache.GUARD_VARIABLE, "1")
-    with pytest.raises(kernel_cache.KernelCompiled):
-        kernel_cache.refuse_compiled(writers.counted(writes), "the start")
+    monkeypatch.setenv(kernel_guard.GUARD_VARIABLE, "1")
+    with pytest.raises(kernel_guard.KernelCompiled):
+        kernel_guard.refuse_compiled(writers.counted(writes), "the start")
 
 
 def test_control_taking_every_process_for_the_cells_blames_the_stranger(cache: Path) -> None:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from polling import wait_for
+from polling import alive, wait_for
 from scaffold import environ_with_src
 
 from glm5_matrix.errors import UserError
@@ -78,12 +78,8 @@ def _read_pids(path: Path) -> dict[int, int | None]:
 
 
 def _alive(pids: dict[int, int | None]) -> list[int]:
-    found = []
-    for pid, started in pids.items():
-        stat = processes.proc_stat(pid)
-        if stat is not None and stat[0] != "Z" and processes.start_time(pid) == started:
-            found.append(pid)
-    return found
+    """Those of `pids` ({pid: start time}) still alive."""
+    return [pid for pid, started in pids.items() if alive(pid, started)]
 
 
 def _available(mechanism: str) -> kill_domain.Domain:

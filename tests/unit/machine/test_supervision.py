@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from polling import wait_for
+from polling import alive, wait_for
 from scaffold import environ_with_src
 
 from glm5_matrix.machine import processes
@@ -43,11 +43,6 @@ def _supervise(
         stderr=subprocess.PIPE,
         text=True,
     )
-
-
-def _alive(pid: int, started: int | None) -> bool:
-    stat = processes.proc_stat(pid)
-    return stat is not None and stat[0] != "Z" and processes.start_time(pid) == started
 
 
 def _results(tmp_path: Path) -> dict:
@@ -120,7 +115,7 @@ def test_sigterm_stops_the_command_with_sigint_first(tmp_path: Path) -> None:
     proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM
     assert marker.read_text() == "SIGINT"  # the command's own teardown ran
-    assert not _alive(grandchild, started)
+    assert not alive(grandchild, started)
     data = _results(tmp_path)
     assert data["complete"] is False
     assert data["ended"]["how"] == "signal" and data["ended"]["signal"] == "SIGTERM"
@@ -161,7 +156,7 @@ def test_a_command_ignoring_sigint_and_sigterm_is_killed_in_bounded_time(tmp_pat
     # grace (1 s) for SIGINT, then SIGTERM for 1 s, then SIGKILL
     assert time.monotonic() - signalled < 10
     assert proc.returncode == 128 + signal.SIGHUP
-    assert not any(_alive(pid, started) for pid, started in starts.items())
+    assert not any(alive(pid, started) for pid, started in starts.items())
     ended = _results(tmp_path)["ended"]
     assert ended["signal"] == "SIGHUP" and "did not end within 1 s" in ended["detail"]
 
@@ -240,8 +235,8 @@ def test_the_supervisor_stops_the_cell_when_the_runner_is_killed_outright(
     else:
         os.killpg(middle.pid, signal.SIGKILL)  # and everything still in its group
     middle.wait()
-    wait_for(lambda: not _alive(supervisor, started), 60)
-    assert not _alive(grandchild, grandchild_started)
+    wait_for(lambda: not alive(supervisor, started), 60)
+    assert not alive(grandchild, grandchild_started)
     assert marker.read_text() == "SIGINT"
     ended = _results(tmp_path)["ended"]
     assert ended["how"] == "process-died" and f"runner (pid {middle.pid}) died" in ended["detail"]
@@ -270,7 +265,7 @@ def test_die_with_parent_takes_the_command_down_with_its_parent(tmp_path: Path) 
     started = processes.start_time(sleeper)
     parent.kill()
     parent.wait()
-    wait_for(lambda: not _alive(sleeper, started), 10)
+    wait_for(lambda: not alive(sleeper, started), 10)
 
 
 _FORWARDING = textwrap.dedent(
@@ -438,7 +433,7 @@ def test_the_main_nox_exits_only_when_every_cell_is_gone(sig: int) -> None:
     main.send_signal(sig)
     _, err = main.communicate(timeout=60)
     # At the moment the main process is gone, none of its workers or their children is left.
-    assert [pid for pid, started in starts.items() if _alive(pid, started)] == []
+    assert [pid for pid, started in starts.items() if alive(pid, started)] == []
     assert main.returncode == 130, err
     assert time.monotonic() - signalled >= 1.0  # it waited for the workers' own teardown
     assert "stopping every cell" in err
@@ -489,7 +484,7 @@ def test_the_cell_is_killed_at_once_when_the_main_nox_dies(tmp_path: Path) -> No
     killed_at = time.monotonic()
     proc.communicate(timeout=60)
     assert time.monotonic() - killed_at < 5  # no 60 s grace: nobody waits for the cell
-    assert not _alive(grandchild, started)
+    assert not alive(grandchild, started)
     assert not marker.exists()  # killed, not interrupted
     ended = _results(tmp_path)["ended"]
     assert ended["how"] == "process-died" and f"main nox (pid {main.pid})" in ended["detail"]

@@ -1,7 +1,9 @@
 """report.html in real headless Chromium (glm5_matrix.report.browser): it loads without a console
 error or a request, every cell and test of the results is on it with its outcome, the filter
-works, a screenshot lands beside it; and each of those checks fails on a page with that
-defect planted.
+works, its first screen (1280 x 1000) shows the verdict and the first failure, every judged
+comparison is drawn and drawn right, each collapsed section opens and closes, a screenshot lands
+beside it; and each of those checks fails on a page with that defect planted. The results are
+the results tree's, with two real H100 cells (tests/unit/data/h100-2026-12-06) among them.
 
 Chromium is Debian's package: found on PATH (or GLM5_MATRIX_CHROMIUM), else installed with
 apt-get where this runs as root; the tests skip, saying why, only where neither works.
@@ -19,6 +21,7 @@ from pathlib import Path
 import pytest
 import results_tree
 
+from glm5_matrix.files import repo_root
 from glm5_matrix.matrix.matrix import Matrix
 from glm5_matrix.report import browser, command, model
 
@@ -57,6 +60,16 @@ def built(
 ) -> tuple[model.MatrixReport, Path]:
     base = tmp_path_factory.mktemp("browser")
     tree = results_tree.build(base / "results", base / "work", matrix)
+    h100 = repo_root() / "tests" / "unit" / "data" / "h100-2026-12-06"
+    # The passing e2e cell in the flashinfer variant's folder (the tree's deep_gemm variant is
+    # its preflight skip).
+    for source, folder in (
+        ("e2e-tp1-deep_gemm", "e2e-tp1-flashinfer"),
+        ("offload-tp1-offloading", "offload-tp1-offloading"),
+    ):
+        (tree / folder).mkdir()
+        for name in ("results.json", "junit.xml"):
+            shutil.copy(h100 / source / name, tree / folder / name)
     made = model.collect(matrix, tree)
     out = base / "results" / "report"
     command.write(made, out)
@@ -76,8 +89,17 @@ def test_the_report_loads_cleanly_with_every_cell_and_test(chromium, built, matr
     # the filter leaves only the rows that failed somewhere
     assert set(checked.load.filtered) == {
         "tests/suites/test_demo.py::test_greedy_repeat",
+        "tests/suites/test_offload.py::test_offload_round_trip",
         "command: mypy",
     }
+    # what the checks saw: the first screen, the charts, the collapsed sections
+    seen = checked.load.first_screen
+    assert seen["width"] == 1280 and seen["height"] == 1000
+    assert seen["verdict"] < 200 and seen["failure_why"] < 1000
+    charts = {(c["cell"], c["name"]) for c in checked.load.charts}
+    assert ("offload-tp1(offloading)", "offload_repeat") in charts and len(charts) == 8
+    # closed: the cells not run, and the one suite file none of whose tests failed
+    assert [s["name"] for s in checked.load.collapsed] == ["not-run", "tests/suites/test_e2e.py"]
 
 
 def _plant(page: Path, tmp_path: Path, edit) -> Path:
@@ -114,12 +136,81 @@ PLANTED = {
         "fonts.example.invalid",
     ),
     "a failure shown as a pass": (
-        lambda t: re.sub(r'(data-outcome="failed"[^>]*>)FAIL</td>', r"\1pass</td>", t, count=1),
+        lambda t: re.sub(
+            r'(<tr data-test="tests/suites/test_demo.py::test_greedy_repeat">.*?'
+            r'data-outcome="failed"[^>]*>)FAIL</td>',
+            r"\1pass</td>",
+            t,
+            count=1,
+            flags=re.S,
+        ),
         "test_greedy_repeat shows 'pass', not 'FAIL'",
     ),
     "a filter that does nothing": (
         lambda t: t.replace('row.classList.toggle("hidden", box.checked && !bad);', ""),
         "the 'only failed' filter leaves",
+    ),
+    "the verdict pushed off the first screen": (
+        lambda t: t.replace(
+            '<div id="verdict"', '<div style="height:1100px"></div><div id="verdict"'
+        ),
+        "first screen: the verdict ends at",
+    ),
+    "the failures below the cells": (
+        lambda t: t.replace(
+            '<div id="failures">', '<div style="height:1000px"></div><div id="failures">'
+        ),
+        "first screen: the first failure's line ends at",
+    ),
+    "a verdict that says passed": (
+        lambda t: t.replace('<span class="word">FAILED</span>', '<span class="word">PASSED</span>'),
+        "the verdict reads 'PASSED",
+    ),
+    "a section that will not open": (
+        lambda t: t.replace(
+            "</body>",
+            "<script>document.querySelectorAll('details.suite summary').forEach((s) => "
+            "s.addEventListener('click', (e) => e.preventDefault()));</script></body>",
+        ),
+        "does not show its table when opened",
+    ),
+    "a chart that is not rendered": (
+        lambda t: t.replace(
+            '<svg class="comparison"', '<svg style="display:none" class="comparison"'
+        ),
+        "is not rendered",
+    ),
+    "a chart left out": (
+        lambda t: re.sub(
+            r'<div class="cmp" data-cell="e2e-tp1\(flashinfer\)" data-name="mtp".*?</svg>',
+            "",
+            t,
+            count=1,
+            flags=re.S,
+        ),
+        "comparison mtp of e2e-tp1(flashinfer) is not drawn",
+    ),
+    "a run within the tolerance drawn beyond it": (
+        lambda t: re.sub(
+            r'(<svg class="comparison" role="img" data-cell="e2e-tp1\(flashinfer\)" '
+            r'data-name="last_token".*?<circle class="run"[^>]*?) cx="[0-9.]+"',
+            r'\1 cx="560"',
+            t,
+            count=1,
+            flags=re.S,
+        ),
+        "run served (0.085933 nats, tolerance 0.617964) is drawn right of the tolerance",
+    ),
+    "a control drawn short of its bar": (
+        lambda t: re.sub(
+            r'(<svg class="comparison" role="img" data-cell="e2e-tp1\(flashinfer\)" '
+            r'data-name="repeat_prefill".*?<path class="control"[^>]*?) d="M[0-9.]+,',
+            r'\1 d="M20,',
+            t,
+            count=1,
+            flags=re.S,
+        ),
+        "control stale_block is drawn short of its bar",
     ),
 }
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -323,3 +325,106 @@ def test_a_cell_whose_guards_miss_an_executed_file_is_failed(tree, tmp_path, mat
     assert _cell(model.collect(matrix, copy), "unit").label == (
         "failed: no process recorded which vLLM files it executed"
     )
+
+
+# --- judged comparisons, from real results (tests/unit/data/h100-2026-12-06) --------------------
+
+H100 = ROOT / "tests" / "unit" / "data" / "h100-2026-12-06"
+
+
+@pytest.fixture(scope="module")
+def h100(tmp_path_factory: pytest.TempPathFactory, matrix: Matrix) -> model.MatrixReport:
+    results = tmp_path_factory.mktemp("h100") / "results"
+    shutil.copytree(H100, results, ignore=shutil.ignore_patterns("README.md"))
+    return model.collect(matrix, results)
+
+
+def test_comparisons_are_read_from_the_figures_judging_records(h100):
+    by_name = {c.name: c for c in _cell(h100, "e2e-tp1(deep_gemm)").comparisons}
+    assert list(by_name) == ["repeat", "repeat_prefill", "last_token", "last_token_prefill", "mtp"]
+    prefill = by_name["repeat_prefill"]
+    assert (prefill.noise_min, prefill.noise_median, prefill.noise_max) == (0.0, 0.015627, 0.046866)
+    assert (prefill.pairs, prefill.repeats, prefill.tolerance) == (15, 6, 0.101545)
+    ((run,), (control,)) = prefill.runs, prefill.controls
+    assert (run.label, run.value, run.judged) == ("repeat", 0.031243, True)
+    assert (control.label, control.value, control.power, control.min_power) == (
+        "stale_block",
+        1.773338,
+        17.464,
+        2.0,
+    )
+    assert prefill.verdict == "within"
+    # a control that parts at no near-tie: "inf" in results.json
+    assert by_name["repeat"].controls[0].value == math.inf
+    # MTP is judged by its tokens: its step deltas are recorded, not judged
+    (mtp,) = by_name["mtp"].runs
+    assert (mtp.judged, mtp.tokens, by_name["mtp"].verdict) == (False, (4, 24), "within")
+
+
+def test_a_run_that_failed_before_its_delta_was_recorded_takes_it_from_the_message(h100):
+    """The offloading cell's false red: check_agreement raised at step 9, so no worst_delta was
+    recorded; the failure's line names the delta and this comparison's tolerance."""
+    by_name = {c.name: c for c in _cell(h100, "offload-tp1(offloading)").comparisons}
+    repeat = by_name["offload_repeat"]
+    (run,) = repeat.runs
+    assert (run.label, run.value, run.source) == (
+        "warm_from_cpu at step 9",
+        0.2814,
+        "failure message",
+    )
+    assert repeat.verdict == "outside"
+    # the comparisons the test never reached judged nothing: drawn without a run
+    assert by_name["offload_cold"].runs == [] and by_name["offload_cold"].verdict == "no run"
+
+
+def test_figures_that_are_missing_leave_their_marks_out(matrix):
+    from glm5_matrix.report import comparisons
+
+    figures = [
+        {"name": "x.tolerance", "value": 0.1},
+        {"name": "x.run.worst_delta", "value": 0.3, "limit": 0.1, "relation": "<="},
+        {"name": "x.false_red_rate", "value": 0.01},
+        {"name": "y.noise_max", "value": 0.1},  # no tolerance: no comparison
+    ]
+    (only,) = comparisons.comparisons(figures)
+    assert (only.noise_max, only.controls, only.others) == (None, [], [("false_red_rate", 0.01)])
+    assert only.verdict == "outside"
+    svg = page.chart(only, "cell")
+    assert 'class="noise"' not in svg and 'class="control"' not in svg
+    assert 'class="run"' in svg and 'data-verdict="outside"' in svg
+    block = page._comparison_block(only, model.CellReport("cell", "cell", "failed"))
+    assert "false_red_rate 0.01" in block
+
+
+def test_the_page_leads_with_the_verdict_and_each_failure_drawn(h100):
+    html = page.render(h100)
+    first = html.index('id="verdict"')
+    assert first < html.index('id="failures"') < html.index('id="cells"')
+    assert html.index('id="cells"') < html.index('id="comparisons"') < html.index('class="suite"')
+    verdict = html[first : html.index("</div>", first)]
+    assert "FAILED" in verdict and "1 of the 2 cells that ran failed" in verdict
+    failure = html[html.index('<div class="failure"') : html.index('id="cells"')]
+    assert (
+        "test_offload_round_trip" in failure and "|delta| 0.2814 &gt; tolerance 0.2269" in failure
+    )
+    assert 'data-name="offload_repeat"' in failure  # the failed comparison drawn beside it
+    charts = html.count('<svg class="comparison"')
+    assert charts == 5 + 3 + 1  # every comparison once, the failed one again in its failure
+    # the test grid collapsed by suite file, open only where a test failed
+    suites = re.findall(
+        r'<details class="suite" data-file="([^"]+)" data-failed="(\d+)"( open)?', html
+    )
+    assert suites and all((failed != "0") == bool(opened) for _, failed, opened in suites)
+
+
+def test_failures_with_one_reason_are_one_item():
+    tests = [
+        model.TestResult(f"t.py::test_{i}", "error", message="kernel guard: compiled 15 files")
+        for i in range(10)
+    ]
+    cell = model.CellReport("e2e", "e2e", "failed", tests=tests)
+    report = model.MatrixReport([cell], Path("r"), Path("m"), "now")
+    html = page._failures(report)
+    assert html.count('<div class="failure"') == 1
+    assert "10 tests (test_0, test_1, test_2, ...)" in html
+    assert html.count('<details class="failure-text"') == 10  # each one's full text kept

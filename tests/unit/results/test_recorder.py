@@ -1,5 +1,6 @@
 """glm5_matrix.results.recorder: the per-cell results plugin run for real (pytester) on tests that pass,
-fail, skip and record figures; what results.json then holds."""
+fail, skip and record figures; what results.json then holds, and what the runner side
+(glm5_matrix.results.closing) adds to it or writes instead."""
 
 from __future__ import annotations
 
@@ -276,6 +277,49 @@ def test_a_preflight_skip_is_recorded_and_clears_the_old_run(tmp_path: Path) -> 
     for key in ("cell", "exit_status", "wall_seconds", "outcomes", "tests", "engine_starts"):
         assert key in data, key
     assert data["tests"] == {} and data["figures"] == []
+
+
+DOMAIN = {"mechanism": "cgroup-v2", "cgroup": "/sys/fs/cgroup/glm5-matrix-e2e-cpu-1"}
+
+
+def test_the_kill_domain_after_the_supervisor_recorded_the_run(tmp_path: Path) -> None:
+    """The runner's record once it stopped the cell's kill domain: where the supervisor said how
+    the run ended, results.json is left as it is unless the runner killed what was left, and
+    then it says how many each of them killed."""
+    ended = schema.ending("finished", "pytest ended its session with exit status 0")
+    stopped = {**DOMAIN, "stopped_by": "supervisor", "killed": 1}
+    closing.record_ending(tmp_path, ended, 0, 2.0, kill_domain=stopped)
+    before = (tmp_path / schema.RESULTS_FILE).read_text()
+    closing.record_kill_domain(tmp_path, DOMAIN, [], 2.5)
+    assert (tmp_path / schema.RESULTS_FILE).read_text() == before
+    closing.record_kill_domain(tmp_path, DOMAIN, [41, 42], 2.5)
+    data = json.loads((tmp_path / schema.RESULTS_FILE).read_text())
+    assert data["kill_domain"] == {
+        **DOMAIN,
+        "stopped_by": "supervisor",
+        "killed": 1,  # the supervisor's count
+        "killed_by_runner": 2,
+    }
+    assert data["ended"]["how"] == "finished" and data["exit_status"] == 0
+
+
+def test_the_kill_domain_after_a_supervisor_that_died(tmp_path: Path) -> None:
+    """No record of how the run ended (the supervisor was killed, or died): the runner's says
+    so, a failure naming what its kill domain killed, with junit.xml written to match."""
+    (tmp_path / schema.CONTEXT_FILE).write_text(json.dumps(_ctx()))
+    closing.record_kill_domain(tmp_path, DOMAIN, [41, 42], 7.25)
+    data = json.loads((tmp_path / schema.RESULTS_FILE).read_text())
+    assert data["cell"] == _ctx()
+    assert data["complete"] is False and data["exit_status"] == 1
+    assert data["ended"]["how"] == "process-died"
+    assert "the cell's kill domain (cgroup-v2) killed 2 process(es)" in data["ended"]["detail"]
+    assert data["left_behind"] == [
+        "pid 41 killed with the cell's kill domain",
+        "pid 42 killed with the cell's kill domain",
+    ]
+    assert data["kill_domain"] == {**DOMAIN, "stopped_by": "runner", "killed": 2}
+    assert (tmp_path / schema.JUNIT_FILE).is_file()
+    assert closing.summarize(tmp_path).startswith("INCOMPLETE")
 
 
 class CommandFailed(Exception):
