@@ -26,6 +26,14 @@ def profile(cell: CellContext) -> Profile:
         from glm5_matrix.results.recorder import record_figure
 
         record_figure("weights.query_gain", query_gain())
+    # The device the runs are measured on: the false-red figures are kept per GPU model.
+    from glm5_matrix.machine.hardware import device_model
+    from glm5_matrix.results.recorder import record_figure
+    from glm5_matrix.verdicts import judging
+
+    device = device_model()
+    judging.set_device(device)
+    record_figure("device.model", device)
     return load_profile(cell.profile)
 
 

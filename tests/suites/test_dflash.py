@@ -107,6 +107,7 @@ def drafted(
 class DraftedRun:
     output: GreedyOutput
     counters: dict[str, float]  # spec-decode counters moved by this run
+    more: tuple[GreedyOutput, ...] = ()  # the drafted path again: its own distribution
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +117,11 @@ def drafted_run(drafted: Engine, profile: Profile, prompt: list[int]) -> Drafted
     output = drafted.generate_scored(prompt, max_tokens, TOP_LOGPROBS)
     after = drafted.counters()
     moved = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in SPEC_METRICS}
-    return DraftedRun(output, moved)
+    more = []
+    for _ in range(profile.tolerances("dflash").compared_runs - 1):
+        assert drafted.reset_prefix_cache(), "reset_prefix_cache() refused"
+        more.append(drafted.generate_scored(prompt, max_tokens, TOP_LOGPROBS))
+    return DraftedRun(output, moved, tuple(more))
 
 
 def test_drafter_gets_kv_pages_beside_the_target(
@@ -185,7 +190,11 @@ def test_greedy_matches_target_only(target_only: TargetOnly, drafted_run: Drafte
     accepted, what a broken verification does) is rejected by its token."""
     comparison = target_only.comparison
     comparison.tokens_agree(
-        target_only.output, drafted_run.output, ("target-only", "DFlash2"), along_path=True
+        target_only.output,
+        drafted_run.output,
+        ("target-only", "DFlash2"),
+        along_path=True,
+        path_runs=drafted_run.more,
     )
     comparison.rejects_by_token(
         target_only.output, target_only.control, ("target-only", "runner-up accepted")

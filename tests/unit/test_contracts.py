@@ -214,10 +214,10 @@ def test_the_schema_holds_the_ranges_the_reader_checks() -> None:
     data["pd"]["tolerances"]["min_power"] = 1.0
     data["tolerances"]["reference_repeats"] = 2
     assert [f"{p.where}: {p.text}" for p in contracts.problems(data, PROFILE)] == [
-        "tolerances.reference_repeats: must be >= 3, not 2",
+        "tolerances.reference_repeats: must be >= 4, not 2",
         "pd.tolerances.min_power: must be > 1, not 1.0",
     ]
     assert sorted(_schema_errors(data, PROFILE)) == [
         "1.0 is less than or equal to the minimum of 1",
-        "2 is less than the minimum of 3",
+        "2 is less than the minimum of 4",
     ]

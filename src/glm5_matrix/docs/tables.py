@@ -1,13 +1,14 @@
 """Tables of the docs site rendered from the repository's data when the site is built, so that
 no page keeps by hand what a data file or a contract already says: the cells (matrix.toml), what
-the matrix catches (mutants/catalogue.toml with the verdicts kept in results-mutants/), and each
+the matrix catches (mutants/catalogue.toml with the verdicts kept in results-mutants/ and the GPU
+verdicts the repository keeps in mutants/gpu-verdicts.toml), and each
 data file's contract (every key with its type, default, range and meaning, from the Spec its
 loader reads it with). Pure readers: they write nothing and start nothing."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,8 @@ from glm5_matrix.matrix.profile_schema import PROFILE
 from glm5_matrix.mutants import catalogue, record
 from glm5_matrix.mutants.catalogue import CATALOGUE, Mutant
 from glm5_matrix.report import mutants as mutant_rows
+from glm5_matrix.results import gpu_verdicts
+from glm5_matrix.results.gpu_verdicts import GPU_VERDICTS, KeptVerdict
 from glm5_matrix.sessions import runner
 from glm5_matrix.upstream.findings import FINDING
 
@@ -31,6 +34,7 @@ CONTRACTS: dict[str, Spec] = {
     "known-failures": REGISTRY,
     "catalogue": CATALOGUE,
     "finding": FINDING,
+    "gpu-verdicts": GPU_VERDICTS,
 }
 
 
@@ -71,19 +75,33 @@ def kept_verdicts(results_dir: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _verdict(mutant: Mutant, kept: Mapping[str, Any] | None) -> str:
-    if kept is None:
+def _verdict(mutant: Mutant, kept: Mapping[str, Any] | None, gpu: list[KeptVerdict]) -> str:
+    here = kept is not None and kept.get("status") != "not-run"
+    if not here and not gpu:
+        if kept is not None:  # a GPU row not run on the machine that kept results-mutants/
+            return mutant_rows.verdict_text(kept)
         return f"no verdict kept here (`nox -s mutants -- --only {mutant.name}`)"
-    text = mutant_rows.verdict_text(kept)
-    if kept.get("no_power"):
-        text += f" (no power: {kept['no_power']})"
+    parts = []
+    if here and kept is not None:
+        parts.append(mutant_rows.verdict_text(kept))
+    if gpu:
+        parts.append(mutant_rows.kept_text(gpu))
+    text = "; ".join(parts)
+    no_power = (kept or {}).get("no_power") or mutant.no_power
+    if no_power:
+        text += f" (no power: {no_power})"
     return text
 
 
-def mutants_table(mutants: list[Mutant], kept: Mapping[str, Any]) -> str:
-    """The catalogue, one row per mutant with its expected catcher and its kept verdict (or
-    none), then the catch rate over the kept verdicts of mutants still in the catalogue."""
+def mutants_table(
+    mutants: list[Mutant], kept: Mapping[str, Any], gpu: Sequence[KeptVerdict] = ()
+) -> str:
+    """The catalogue, one row per mutant with its expected catcher and its kept verdicts (the
+    run's in `kept`, results-mutants/results.json; the GPU runners' in `gpu`,
+    mutants/gpu-verdicts.toml), or none; then the catch rate over the judged ones of mutants
+    still in the catalogue (a mutant counted once: its verdict here, else its latest GPU one)."""
     by_name = {r.get("name"): r for r in kept.get("mutants", []) if isinstance(r, dict)}
+    on_gpu = gpu_verdicts.by_mutant(gpu)
     lines = [
         "| mutant | cell | area | expected catcher | verdict |",
         "|---|---|---|---|---|",
@@ -91,18 +109,24 @@ def mutants_table(mutants: list[Mutant], kept: Mapping[str, Any]) -> str:
     rows = []
     for m in mutants:
         row = by_name.get(m.name)
-        if row is not None:
+        kept_gpu = on_gpu.get(m.name, [])
+        if row is not None and row.get("status") != "not-run":
+            rows.append(row)
+        elif kept_gpu:
+            latest = max(kept_gpu, key=lambda v: v.date)
+            rows.append({"name": m.name, "cell": m.cell, "status": latest.status})
+        elif row is not None:
             rows.append(row)
         name = f"`{m.name}`" + (" (CI)" if m.ci else "")
         expect = ", ".join(f"`{t}`" for t in m.expect) or "-"
-        lines.append(
-            f"| {name} | `{m.cell}` | {_cell(m.area)} | {expect} | {_cell(_verdict(m, row))} |"
-        )
+        verdict = _verdict(m, row, kept_gpu)
+        lines.append(f"| {name} | `{m.cell}` | {_cell(m.area)} | {expect} | {_cell(verdict)} |")
     if not rows:
         lines += [
             "",
             f"{len(mutants)} mutants in the catalogue; no verdict is kept in this checkout "
-            "(`nox -s mutants` keeps them in results-mutants/).",
+            "(`nox -s mutants` keeps them in results-mutants/, and on a GPU in "
+            "mutants/gpu-verdicts.toml).",
         ]
     else:
         summary = record.summarize(rows)
@@ -128,6 +152,7 @@ def render(name: str, root: Path, results_dir: Path) -> str:
     if name == "mutants":
         cells = {v.id: v.env for v in matrix.variants}
         mutants = catalogue.load_catalogue(root / catalogue.CATALOGUE_FILE, cells)
-        return mutants_table(mutants, kept_verdicts(results_dir))
+        gpu = gpu_verdicts.load(root / gpu_verdicts.KEPT_FILE)
+        return mutants_table(mutants, kept_verdicts(results_dir), gpu)
     known = ", ".join(["cells", "mutants", *(f"contract-{c}" for c in CONTRACTS)])
     raise ValueError(f"no generated table {name!r} ({known})")

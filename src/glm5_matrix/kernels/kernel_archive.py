@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import hashlib
 import io
 import json
@@ -46,12 +45,14 @@ from pathlib import Path
 from typing import IO, Any
 
 from glm5_matrix.errors import UserError
-from glm5_matrix.kernels import kernel_cache
+from glm5_matrix.kernels import gpu_models, kernel_cache
 from glm5_matrix.kernels.kernel_cache import LIBRARIES, KernelCache
 
 FORMAT = 1
 MANIFEST = "manifest.json"
-LOCK_FILE = ".glm5-lock"
+# The kernel cache's lock of ours, held by export, import and gpu_models.add_warmed.
+LOCK_FILE = kernel_cache.LOCK_FILE
+locked = kernel_cache.locked
 MTIME_HEADER = "GLM5.mtime_ns"
 COMPRESSIONS = ("gz", "xz", "zst", "none")
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -66,6 +67,7 @@ class Transfer:
     bytes: int = 0
     written: list[Path] = field(default_factory=list)  # export: the files written
     kept: int = 0  # import: files the machine already had
+    models: str = ""  # import: the GPU models the key folder now records (gpu_models)
     warnings: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
@@ -73,19 +75,9 @@ class Transfer:
         text = f"{self.archive}: {sum(self.files.values())} files ({per}), {self.bytes / 2**20:.1f} MiB"
         if self.kept:
             text += f"; {self.kept} already here, kept"
+        if self.models:
+            text += f"; warmed on {self.models}"
         return text
-
-
-@contextlib.contextmanager
-def locked(root: Path) -> Iterator[None]:
-    """The kernel cache's lock of ours (exclusive), held by export and import."""
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / LOCK_FILE, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 # --- export ---------------------------------------------------------------------------------------
@@ -227,6 +219,7 @@ def export_archive(
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "compression": compression,
             "libraries": {name: sum(1 for m in members if m[0] == name) for name in names},
+            **_models_manifest(gpu_models.read(kernels), bool(members)),
         }
         sink = _Sink(target, part_size)
         try:
@@ -237,6 +230,39 @@ def export_archive(
             raise
     transfer.bytes = sink.bytes
     return transfer
+
+
+def _models_manifest(record: gpu_models.Record, has_files: bool) -> dict[str, Any]:
+    """The manifest's GPU models (gpu_models): those the key folder records, and the sources of
+    entries whose models nobody recorded (a folder with files and no record has such entries)."""
+    found: dict[str, Any] = {"gpu_models": record.to_json()["models"]}
+    unknown = list(record.unknown)
+    if not record.exists and has_files:
+        unknown.append("entries written before GPU models were recorded")
+    if unknown:
+        found["gpu_models_unknown"] = unknown
+    return found
+
+
+def merge_models(
+    manifest: dict[str, Any], record: gpu_models.Record, archive: Path
+) -> gpu_models.Record:
+    """The key folder's record with the archive's models merged in (each keeps its sources, and
+    gains the archive). An archive without the list (made before it existed) adds its entries
+    as of unknown models: the preflight cannot say they lack this GPU's."""
+    via = f"archive {archive.name} ({manifest.get('created', 'date unknown')})"
+    if "gpu_models" not in manifest:
+        return record.with_unknown(f"{via}, made before GPU models were recorded")
+    try:
+        for entry in manifest["gpu_models"]:
+            model = gpu_models.GpuModel.from_json(entry)
+            for source in [*entry.get("sources", []), via]:
+                record = record.added([model], str(source))
+        for source in manifest.get("gpu_models_unknown", []):
+            record = record.with_unknown(f"{source} (via {via})")
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise UserError(f"{archive}: {MANIFEST}: gpu_models is malformed ({exc})") from None
+    return record
 
 
 def _write_tar(
@@ -423,9 +449,12 @@ def import_archive(archive: Path, kernels: KernelCache) -> Transfer:
     with _open_stream(parts) as tar:
         manifest = read_manifest(tar, archive)
         check_fits(manifest, kernels, archive)
+        models = merge_models(manifest, gpu_models.read(kernels), archive)
         kernel_cache.prepare(kernels)
         with locked(kernels.directory.parent):
             _import_members(tar, archive, manifest, kernels, folders, transfer)
+            gpu_models.write(kernels, models)
+            transfer.models = models.describe()
     return transfer
 
 

@@ -84,6 +84,8 @@ start without compiling, which is what made every start after the warm step "com
 from __future__ import annotations
 
 import ast
+import contextlib
+import fcntl
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -91,8 +93,8 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, replace
 from fnmatch import fnmatch
 from pathlib import Path
 
@@ -105,6 +107,7 @@ ROOT_VARIABLE = "GLM5_MATRIX_KERNEL_CACHE"
 # compute the key again (the runner sets it for the cell's processes).
 ACTIVE_VARIABLE = "GLM5_MATRIX_KERNEL_CACHE_DIR"
 KEY_FILE = "key.json"
+LOCK_FILE = ".glm5-lock"
 PROBE_TIMEOUT_S = 120
 # Path components that are never kernels: locks and temporary files of a write in progress.
 TRANSIENT = ("*.lock", "lock", "locks", "*.tmp", "tmp", "tmp.*", ".staging", ".glm5-*")
@@ -251,6 +254,7 @@ class KernelCache:
     key: dict[str, str]
     variables: dict[str, str] = field(default_factory=dict)  # what we set
     user_set: dict[str, str] = field(default_factory=dict)  # the user's own, left alone
+    python: str | None = None  # the cell interpreter it was keyed for (for_interpreter)
 
     def environment(self) -> dict[str, str]:
         """The variables to set for the cell's processes."""
@@ -282,6 +286,19 @@ def layout(key: Mapping[str, str], environ: Mapping[str, str] | None = None) -> 
         else:
             variables[each.variable] = str(directory / each.folder)
     return KernelCache(directory, dict(key), variables, user_set)
+
+
+@contextlib.contextmanager
+def locked(root: Path) -> Iterator[None]:
+    """The kernel cache's lock of ours (exclusive, flock on <root>/.glm5-lock), held by export,
+    import and whoever rewrites a key folder's records (gpu_models)."""
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / LOCK_FILE, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def prepare(kernels: KernelCache) -> KernelCache:
@@ -336,7 +353,7 @@ def for_interpreter(
     machine's (a build for another)."""
     environ = os.environ if environ is None else environ
     key = {**probe(python, environ), "gpu_arch": arch or gpu_arch(environ)}
-    found = layout(key, environ)
+    found = replace(layout(key, environ), python=str(python))
     return prepare(found) if create else found
 
 

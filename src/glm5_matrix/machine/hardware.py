@@ -17,6 +17,7 @@ import shutil
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from glm5_matrix.errors import UserError
 from glm5_matrix.matrix.matrix import Capability, Cell, parse_compute_capability
@@ -140,6 +141,51 @@ def check(cell: Cell, hardware: Hardware) -> Verdict:
     if len(usable) >= cell.gpus:
         return Verdict(True, f"needs {need}; found {hardware.describe()}")
     return Verdict(False, f"{cell.name} needs {need}; found {hardware.describe()}")
+
+
+def device_model(environ: dict[str, str] | None = None) -> str:
+    """What the cell's runs are measured on, for figures kept per device: the visible GPUs' model
+    names from nvidia-smi (" + "-joined when they differ; no CUDA context is made), else "cpu: "
+    and the CPU's model name."""
+    environ = dict(os.environ) if environ is None else environ
+    smi = shutil.which("nvidia-smi")
+    if smi is not None and GPUS_VARIABLE not in environ:
+        try:
+            out = subprocess.run(
+                [smi, "--query-gpu=index,uuid,name", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=True,
+            ).stdout
+            names = {}
+            for line in out.splitlines():
+                if line.strip():
+                    index, uuid, name = (p.strip() for p in line.split(",", 2))
+                    names[int(index)] = (uuid, name)
+            gpus = [(i, uuid, Capability(0, 0)) for i, (uuid, _) in sorted(names.items())]
+            visible = environ.get("CUDA_VISIBLE_DEVICES")
+            if visible is not None:
+                gpus = bound_by_visible(gpus, visible)
+            models = sorted({names[i][1] for i, _, _ in gpus})
+            if models:
+                return " + ".join(models)
+        except (subprocess.SubprocessError, OSError, ValueError):
+            pass
+    return f"cpu: {cpu_model()}"
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), or the platform's processor."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine() or "unknown"
 
 
 def strict(environ: dict[str, str] | None = None) -> bool:

@@ -12,9 +12,10 @@ from typing import Any
 from glm5_matrix import contracts
 from glm5_matrix.contracts import Spec
 
-# The fewest reference runs a profile may ask for: three give three pairs, the least from which
-# a spread (largest less smallest pairwise difference) can be read.
-MIN_REFERENCE_REPEATS = 3
+# The fewest reference runs a profile may ask for: the leave-one-out measurement of the rule's
+# false-red rate (glm5_matrix.verdicts.false_red) holds one run out and builds the tolerance
+# from a row of at least two of the others.
+MIN_REFERENCE_REPEATS = 4
 
 # The table's contract (glm5_matrix.contracts): the profile's reader checks it at load, and a
 # Tolerances built by hand is checked against it too.
@@ -35,10 +36,34 @@ TOLERANCES = contracts.table(
         ),
         "reference_repeats": Spec(
             "int",
-            "the reference is done this many times, every pair compared for the noise (three "
-            "pairs are the least a spread is read from)",
+            "the reference is done this many times in one engine start: every pair compared for "
+            "the noise, reference #1's row for the tolerance, and one held out at a time to "
+            "measure the rule's own false-red rate (four are the least that allows)",
             required=True,
             minimum=MIN_REFERENCE_REPEATS,
+        ),
+        "false_red_per_cell": Spec(
+            "number",
+            "a cell run may fail a faithful vLLM at most this often (the false-red bound; each "
+            "judged comparison gets this / (2 x comparisons_per_cell) for its verdict and as "
+            "much for its self-check: docs/verdicts.md)",
+            required=True,
+            above=0,
+            maximum=0.5,
+        ),
+        "comparisons_per_cell": Spec(
+            "int",
+            "the most judged greedy comparisons a cell of this profile holds (the bound is "
+            "split over them)",
+            required=True,
+            minimum=1,
+        ),
+        "compared_runs": Spec(
+            "int",
+            "runs of a compared path (warm runs, repeats, drafted runs) drawn to compare its "
+            "distribution with the reference path's; the first is the one judged",
+            default=1,
+            minimum=1,
         ),
         "min_power": Spec(
             "number",
@@ -69,6 +94,9 @@ class Tolerances:
     min_median_margin_steps: float
     reference_repeats: int
     min_power: float
+    false_red_per_cell: float
+    comparisons_per_cell: int
+    compared_runs: int = 1
     control_changed_blocks: float | None = None
     checkpoint_page_rel: float | None = None
     # The profile table they were read from, for messages: "tolerances", "pd.tolerances".

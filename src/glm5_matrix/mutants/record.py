@@ -11,10 +11,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from glm5_matrix.files import write_atomic, write_json_atomic
+from glm5_matrix.files import repo_root, write_atomic, write_json_atomic
 from glm5_matrix.mutants import verdicts
 from glm5_matrix.mutants.catalogue import Mutant
 from glm5_matrix.report import mutants as table
+from glm5_matrix.results import gpu_verdicts
 
 RESULTS_FILE = "results.json"
 REPORT_FILE = "report.md"
@@ -134,5 +135,68 @@ def _write(
         "summary": summarize(rows),
     }
     write_json_atomic(path, data)
-    write_atomic(out / REPORT_FILE, table.render(data))
+    kept = gpu_verdicts.load(repo_root() / gpu_verdicts.KEPT_FILE)
+    write_atomic(out / REPORT_FILE, table.render(data, kept))
+    return path
+
+
+def kept_verdicts(
+    outcomes: Sequence[_Outcome],
+    controls: Sequence[_Outcome],
+    gpu_cells: set[str],
+    gpu: str,
+    date: str,
+    how: str,
+) -> list[gpu_verdicts.KeptVerdict]:
+    """The verdicts of this run to keep in the repository (gpu_verdicts): a mutant of a cell
+    that needs a GPU (`gpu_cells`), judged caught or survived, on the GPU model `gpu`, with its
+    cell's vLLM version (from the run's results.json) and its control's wall time. Nothing on a
+    box without a GPU ("cpu: ..."): a CPU run never writes the file."""
+    if not gpu or gpu.startswith("cpu:"):
+        return []
+    control_seconds = {c.cell: c.seconds for c in controls}
+    found = []
+    for outcome in outcomes:
+        m, v = outcome.mutant, outcome.verdict
+        if m is None or outcome.cell not in gpu_cells:
+            continue
+        if v.status not in (verdicts.CAUGHT, verdicts.SURVIVED):
+            continue
+        found.append(
+            gpu_verdicts.KeptVerdict(
+                mutant=m.name,
+                status=v.status,
+                gpu=gpu,
+                vllm=_vllm_version(outcome.results_dir),
+                date=date,
+                how=how,
+                detail=v.detail,
+                source=str(outcome.results_dir or ""),
+                caught_by=tuple(v.caught_by),
+                seconds=round(outcome.seconds, 1),
+                control_seconds=(
+                    round(control_seconds[outcome.cell], 1)
+                    if outcome.cell in control_seconds
+                    else None
+                ),
+            )
+        )
+    return found
+
+
+def _vllm_version(results_dir: str | None) -> str:
+    try:
+        data = json.loads((Path(results_dir or "") / RESULTS_FILE).read_text())
+    except (OSError, ValueError):
+        return "unknown"
+    return str((data.get("versions") or {}).get("vllm") or "unknown")
+
+
+def keep(path: Path, new: Sequence[gpu_verdicts.KeptVerdict]) -> Path | None:
+    """Write `new` into the kept file (replacing the same mutant's verdict on the same GPU model
+    and vLLM version, keeping every other); None when there is nothing new."""
+    if not new:
+        return None
+    merged = gpu_verdicts.updated(gpu_verdicts.load(path), new)
+    write_atomic(path, gpu_verdicts.dumps(merged))
     return path

@@ -40,7 +40,7 @@ from glm5_matrix.machine import hardware
 from glm5_matrix.matrix.matrix import Matrix, Variant
 from glm5_matrix.mutants import catalogue, patching, record, verdicts
 from glm5_matrix.mutants.catalogue import Mutant
-from glm5_matrix.results import schema
+from glm5_matrix.results import gpu_verdicts, schema
 from glm5_matrix.sessions import runner
 
 WRAP_VARIABLE = "GLM5_MATRIX_MUTANTS_WRAP"
@@ -328,6 +328,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         controls_done = [f.result() for f in controls.values()]
     written = book.write()
     say(f"wrote {written}")
+    kept = record.keep(
+        repo_root() / gpu_verdicts.KEPT_FILE,
+        record.kept_verdicts(
+            finished,
+            controls_done,
+            {v.id for v in matrix.variants if v.cell.gpus},
+            hardware.device_model(environ),
+            time.strftime("%Y-%m-%d", time.gmtime()),
+            "nox -s mutants"
+            + (" (GLM5_MATRIX_PYTHON overlay)" if given_python(environ) else "")
+            + (f" {shlex.join(cell_args)}" if cell_args else ""),
+        ),
+    )
+    if kept is not None:
+        say(f"kept the GPU verdicts in {kept}: commit it (a GPU runner's results go with it)")
+        book.write()  # the report shows them
     print((out / record.REPORT_FILE).read_text())
     bad = [o for o in [*controls_done, *finished] if o.verdict.status == verdicts.INVALID]
     # In CI a survivor is a loss of power: the subset holds mutants the matrix catches.

@@ -1,19 +1,31 @@
-"""The mutants' table (report.md of `nox -s mutants`), from their results.json record: it only
-reads. One row per mutant: its cell, what it breaks, and caught (by which tests) or survived
-(with the catalogue's reason), or not run (with the command that runs it); then the catch rate
-per cell and overall, over the mutants that were judged."""
+"""The mutants' table (report.md of `nox -s mutants`), from their results.json record and the
+GPU verdicts the repository keeps (glm5_matrix.results.gpu_verdicts): it only reads. One row per
+mutant: its cell, what it breaks, and caught (by which tests) or survived (with the catalogue's
+reason), or not run here (with the command that runs it) and then what a GPU runner measured;
+then the catch rate per cell and overall, over the mutants that were judged, here or kept."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from glm5_matrix.results.gpu_verdicts import KeptVerdict, by_mutant
 
 
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def verdict_text(row: Mapping[str, Any]) -> str:
+def kept_text(kept: Sequence[KeptVerdict]) -> str:
+    """The kept GPU verdicts of one mutant, newest first, for a table cell."""
+    ordered = sorted(kept, key=lambda v: (v.date, v.gpu), reverse=True)
+    return "; ".join(v.describe() for v in ordered)
+
+
+def verdict_text(row: Mapping[str, Any], kept: Sequence[KeptVerdict] = ()) -> str:
+    """The verdict measured here; a GPU row not run here shows what a GPU runner measured."""
+    if row["status"] == "not-run" and kept:
+        return kept_text(kept)
     status, by = row["status"], row.get("caught_by") or []
     if status == "caught":
         text = "caught by " + ", ".join(f"`{t}`" for t in by)
@@ -27,12 +39,16 @@ def verdict_text(row: Mapping[str, Any]) -> str:
     return f"invalid: {row.get('detail', '')}"
 
 
-def rows_table(data: Mapping[str, Any], breaks: bool = True) -> list[str]:
-    """The mutants' rows as a Markdown table (`breaks`: with what each breaks)."""
+def rows_table(
+    data: Mapping[str, Any], breaks: bool = True, kept: Sequence[KeptVerdict] = ()
+) -> list[str]:
+    """The mutants' rows as a Markdown table (`breaks`: with what each breaks; `kept`: the GPU
+    verdicts the repository keeps, shown where a row was not run here)."""
     head = "| mutant | cell | area |" + (" what it breaks |" if breaks else "") + " verdict |"
     lines = [head, "|---" * head.count(" | ") + "|---|"]
+    gpu = by_mutant(kept)
     for row in data.get("mutants", []):
-        verdict = verdict_text(row)
+        verdict = verdict_text(row, gpu.get(row.get("name", ""), []))
         if row.get("no_power"):
             verdict += f" (no power: {row['no_power']})"
         middle = f" {_cell(row['breaks'])} |" if breaks else ""
@@ -53,7 +69,9 @@ def _none_judged(rows: list[Mapping[str, Any]], cell: str) -> str:
     return "none judged"
 
 
-def render(data: Mapping[str, Any]) -> str:
+def render(data: Mapping[str, Any], kept: Sequence[KeptVerdict] = ()) -> str:
+    """report.md: the run's rows (GPU rows not run here with the kept GPU verdicts), the rates
+    measured here, the controls, and the kept GPU verdicts with their own rates."""
     rows = data.get("mutants", [])
     lines = [
         "# What the matrix catches",
@@ -61,7 +79,7 @@ def render(data: Mapping[str, Any]) -> str:
         f"{len(rows)} mutants{' (the CI subset)' if data.get('ci') else ''}; "
         f"wall {data.get('wall_seconds', 0) / 60:.1f} min.",
         "",
-        *rows_table(data),
+        *rows_table(data, kept=kept),
     ]
     summary = data.get("summary", {})
     lines += ["", "| cell | caught / judged |", "|---|---|"]
@@ -74,4 +92,21 @@ def render(data: Mapping[str, Any]) -> str:
         for c in controls:
             status = "green" if c["status"] == "survived" else c["status"]
             lines.append(f"- `{c['cell']}`: {status} ({c['detail']}), {c['seconds']:.0f} s")
+    if kept:
+        lines += ["", *kept_rates(kept)]
     return "\n".join(lines) + "\n"
+
+
+def kept_rates(kept: Sequence[KeptVerdict]) -> list[str]:
+    """The kept GPU verdicts' catch rate per GPU model (each mutant's latest there)."""
+    latest: dict[tuple[str, str], KeptVerdict] = {}
+    for verdict in sorted(kept, key=lambda v: v.date):
+        latest[(verdict.gpu, verdict.mutant)] = verdict
+    per_gpu: dict[str, list[int]] = {}
+    for (gpu, _), verdict in sorted(latest.items()):
+        counts = per_gpu.setdefault(gpu, [0, 0])
+        counts[0] += verdict.status == "caught"
+        counts[1] += 1
+    lines = ["GPU verdicts kept in mutants/gpu-verdicts.toml (each mutant's latest per GPU):", ""]
+    lines += [f"- {gpu}: {c} of {j} judged caught" for gpu, (c, j) in per_gpu.items()]
+    return lines

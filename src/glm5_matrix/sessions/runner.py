@@ -28,7 +28,13 @@ from typing import NoReturn
 from glm5_matrix.envs import environments
 from glm5_matrix.errors import UserError
 from glm5_matrix.files import repo_root, write_json_atomic
-from glm5_matrix.kernels import flashinfer_aot, kernel_archive, kernel_cache, kernel_guard
+from glm5_matrix.kernels import (
+    flashinfer_aot,
+    gpu_models,
+    kernel_archive,
+    kernel_cache,
+    kernel_guard,
+)
 from glm5_matrix.machine import hardware, kill_domain, leases, supervision
 from glm5_matrix.matrix import context as cell_context
 from glm5_matrix.matrix.matrix import MATRIX_FILE, Matrix, Variant, load_matrix
@@ -217,6 +223,10 @@ def _run_variant(
     with take_lease(session, plan) as lease:
         built = build(session, plan)
         log_setup(session, plan, lease, built)
+        if plan.kernel_guard and plan.variant.cell.gpus and built.kernels is not None:
+            probed = {**plan.environ, **built.variables, **lease.environment()}
+            here = gpu_models.probe(built.env.python, probed)
+            check_gpu_models(session, built.kernels, here, plan.variant.id)
         context = write_context(plan, lease, built)
         run_env, records = run_environment(session, plan, built, context)
         if variant.cell.commands:
@@ -283,6 +293,23 @@ def skip(session: NoxSession, plan: CellPlan, reason: str) -> NoReturn:
     )
     closing.write_skip(plan.out, asdict(context), reason)
     session.skip(reason)
+
+
+def check_gpu_models(
+    session: NoxSession,
+    kernels: kernel_cache.KernelCache,
+    here: list[gpu_models.GpuModel],
+    cell: str,
+) -> None:
+    """Before the first engine start, with the kernel guard on: the cache must hold entries
+    warmed on the GPU models `here` (gpu_models.check): one line and an error when it records
+    others only, a warning when some of its entries' models are unknown."""
+    coverage = gpu_models.check(kernels, here, cell)
+    if coverage.error:
+        session.error(coverage.error)
+    if coverage.warning:
+        session.warn(coverage.warning)
+    session.log(f"kernel cache: GPU models {gpu_models.read(kernels).describe()}")
 
 
 def _install_only(

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from glm5_matrix.errors import UserError
-from glm5_matrix.kernels import kernel_archive, kernel_cache, kernel_guard
+from glm5_matrix.kernels import gpu_models, kernel_archive, kernel_cache, kernel_guard
 from glm5_matrix.machine import hardware
 from glm5_matrix.matrix.context import LEDGER_VARIABLE
 from glm5_matrix.matrix.matrix import ENGINE_SUITES, Matrix, Variant
@@ -148,6 +148,15 @@ def summary_lines(variant: Variant, out: Path) -> list[str]:
     return lines
 
 
+def warmed(out: Path) -> bool:
+    """The warm suite ran to the end and passed in `out` (its results.json says so)."""
+    path = out / RESULTS_FILE
+    if not path.is_file():
+        return False
+    data = json.loads(path.read_text())
+    return bool(data.get("complete")) and data.get("exit_status") == 0
+
+
 def run(session: NoxSession, matrix: Matrix) -> None:
     """The `warm` session. `session` is a nox.Session."""
     try:
@@ -168,6 +177,7 @@ def run(session: NoxSession, matrix: Matrix) -> None:
     ledger = base / "ledger.json"
     ledger.unlink(missing_ok=True)
     caches: dict[Path, kernel_cache.KernelCache] = {}
+    failed: set[Path] = set()  # caches a cell did not warm to the end
     lines: list[str] = []
     try:
         for variant in variants:
@@ -186,12 +196,21 @@ def run(session: NoxSession, matrix: Matrix) -> None:
                 lines += summary_lines(variant, out)
             if kernels is not None:
                 caches[kernels.directory] = kernels
+                if not warmed(out):
+                    failed.add(kernels.directory)
     finally:
         for line in lines:
             session.log(f"warm: {line}")
     session.log(f"warm: {NOT_CACHED}")
-    for directory in caches:
+    for directory, kernels in caches.items():
         session.log(f"warm: kernel cache {directory}")
+        if directory in failed:
+            session.log("warm: GPU models not recorded there (a cell did not warm to the end)")
+            continue
+        models = gpu_models.probe(kernels.python)
+        if models:
+            record = gpu_models.add_warmed(kernels, models)
+            session.log(f"warm: the kernel cache records GPU models {record.describe()}")
     if options.export:
         export(session, options, caches)
 

@@ -88,3 +88,48 @@ def test_a_contract_renders_as_its_reference_table(tmp_path):
     assert "| `cells.NAME.gpus` | int | `0` | >= 0 |" in text
     with pytest.raises(ValueError, match="contract-matrix, contract-profile"):
         tables.render("contract-nope", repo_root(), tmp_path)
+
+
+def test_mutants_table_shows_the_gpu_verdicts_the_repository_keeps():
+    """A GPU mutant not run where results-mutants/ was kept shows what GPU runners measured
+    (mutants/gpu-verdicts.toml), and counts once, by its latest GPU verdict."""
+    from glm5_matrix.results.gpu_verdicts import KeptVerdict
+
+    h100 = KeptVerdict(
+        "gpu-one",
+        "caught",
+        "NVIDIA H100 80GB HBM3",
+        "0.33.0",
+        "2026-12-06",
+        "nox -s mutants",
+        "",
+        "s",
+        ("test_a",),
+        72.3,
+        76.3,
+    )
+    h200 = KeptVerdict(
+        "gpu-one",
+        "survived",
+        "NVIDIA H200",
+        "0.33.0",
+        "2026-12-04",
+        "by hand",
+        "",
+        "s",
+    )
+    kept = {"mutants": [{"name": "gpu-one", "cell": "e2e-cpu", "status": "not-run"}]}
+    text = tables.mutants_table([mutant("gpu-one"), mutant("new")], kept, [h100, h200])
+    row = next(line for line in text.splitlines() if line.startswith("| `gpu-one`"))
+    assert "NVIDIA H100 80GB HBM3, vLLM 0.33.0, 2026-12-06 (nox -s mutants): caught by" in row
+    assert "NVIDIA H200, vLLM 0.33.0, 2026-12-04 (by hand): **survived**" in row
+    assert row.index("H100") < row.index("H200")  # newest first
+    assert (
+        "2 mutants in the catalogue, 1 with a kept verdict; caught of those judged: **1/1" in text
+    )
+
+
+def test_the_checkout_s_gpu_verdicts_reach_the_catches_page(tmp_path):
+    text = tables.render("mutants", repo_root(), tmp_path)  # no results-mutants/ here
+    assert "| `mamba-v2-hit-state-from-previous-block` |" in text
+    assert "NVIDIA H100 80GB HBM3, vLLM 0.33.0, 2026-12-06" in text

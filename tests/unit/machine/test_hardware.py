@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from glm5_matrix.errors import UserError
+from glm5_matrix.machine import hardware
 from glm5_matrix.machine.hardware import (
     Topology,
     bound_by_visible,
@@ -174,3 +175,8 @@ def test_topology_of_one_gpu_and_of_nonsense():
 
 def test_no_topology_under_the_override():
     assert read_topology({"GLM5_MATRIX_GPUS": "9.0,9.0"}) is None
+
+
+def test_the_device_model_without_a_gpu_is_the_cpu_s_name() -> None:
+    found = hardware.device_model({hardware.GPUS_VARIABLE: ""})
+    assert found.startswith("cpu: ") and len(found) > len("cpu: ")

@@ -33,7 +33,8 @@ def test_a_typo_is_named_with_the_keys_known_there() -> None:
     ]
     data["tolerances"]["colour"] = 1  # near to nothing: the keys known there are listed
     assert profile_schema.problems(data)[1] == (
-        "tolerances.colour: unknown key (known: checkpoint_page_rel, control_changed_blocks, "
+        "tolerances.colour: unknown key (known: checkpoint_page_rel, compared_runs, "
+        "comparisons_per_cell, control_changed_blocks, false_red_per_cell, "
         "min_distinct_tokens, min_median_margin_steps, min_power, reference_repeats)"
     )
 

@@ -16,8 +16,10 @@ from glm5_matrix.matrix.tolerances import Tolerances
 GOOD = {
     "min_distinct_tokens": 4,
     "min_median_margin_steps": 12,
-    "reference_repeats": 3,
+    "reference_repeats": 4,
     "min_power": 2.0,
+    "false_red_per_cell": 0.01,
+    "comparisons_per_cell": 10,
     "control_changed_blocks": 1.0,
     "checkpoint_page_rel": 1e-3,
 }
@@ -39,7 +41,11 @@ def test_every_bundled_profile_builds_its_tolerances(name: str) -> None:
     ("changed", "message"),
     [
         ({"min_power": 1.0}, "min_power: must be > 1, not 1.0"),
-        ({"reference_repeats": 2}, "reference_repeats: must be >= 3, not 2"),
+        ({"reference_repeats": 3}, "reference_repeats: must be >= 4, not 3"),
+        ({"false_red_per_cell": 0}, "false_red_per_cell: must be > 0, not 0"),
+        ({"false_red_per_cell": 0.6}, "false_red_per_cell: must be <= 0.5, not 0.6"),
+        ({"comparisons_per_cell": 0}, "comparisons_per_cell: must be >= 1, not 0"),
+        ({"compared_runs": 0}, "compared_runs: must be >= 1, not 0"),
         ({"min_distinct_tokens": 1}, "min_distinct_tokens: must be >= 2, not 1"),
         ({"min_median_margin_steps": -1}, "min_median_margin_steps: must be >= 0, not -1"),
         ({"control_changed_blocks": 0.0}, "control_changed_blocks: must be > 0, not 0.0"),
