@@ -1,11 +1,14 @@
 """The findings: upstream/NAME/finding.toml, one folder per vLLM defect (data, read here).
 
-A finding names its reproduction script, the platform it runs on (`cpu`: `nox -s upstream` runs
-it; `gpu`: written for an H200, run by hand), the matrix test that found it, the vLLM sources
-that cause it, the harness's workaround, and its defect-absent controls: runs in which the
-reproduction must report "not reproduced", so that its check is shown able to fail. A control
-either patches one file of vLLM in a copy of the environment (`file`, `old`, `new`: `old` must
-occur exactly once) or passes the script arguments that apply the workaround (`args`), or both.
+A finding names its reproduction script (one self-contained file: vLLM and the standard library
+only, the file a maintainer pastes; `nox -s upstream` runs it as it is), the platform it needs
+(`cpu`: any vLLM, the CPU build included; `gpu`: a GPU), the arguments the runner adds (`{root}`
+is the checkout: a GPU runner without the Hub reads a config folder of profiles/), the matrix
+test that found it, the vLLM sources that cause it, the harness's workaround, and its
+defect-absent controls: runs in which the reproduction must report "not reproduced", so that
+its check is shown able to fail. A control either patches one file of vLLM in a copy of the
+environment (`file`, `old`, `new`: `old` must occur exactly once) or passes the script
+arguments that remove the defect's condition (`args`), or both.
 """
 
 from __future__ import annotations
