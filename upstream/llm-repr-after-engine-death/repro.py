@@ -32,6 +32,7 @@ import importlib.metadata
 import json
 import os
 import random
+import shutil
 import signal
 import struct
 import subprocess
@@ -47,9 +48,10 @@ from typing import Any
 # --- shared: common (identical in every upstream/*/repro.py; tests/unit/upstream checks) ---
 # What every reproduction here shares: a tiny model written into a temporary folder, and a
 # supervisor that runs the part using vLLM (the subject) as a child process, bounds it in time,
-# stops every process it left (this process is their child subreaper), and turns the subject's
-# verdict into `expected:` / `actual:` lines, a JSON last line and the exit status: 1
-# reproduced, 0 not reproduced, 2 no check made (an error, a bound passed, processes left).
+# stops every process it left (this process is their child subreaper), removes its temporary
+# files, and turns the subject's verdict into `expected:` / `actual:` lines, a JSON last line
+# and the exit status: 1 reproduced, 0 not reproduced, 2 no check made (an error, a bound
+# passed, processes left).
 
 VERDICT = "VERDICT "
 # A 2-layer Llama with 2 query heads and 1 KV head of 64; no tokenizer (prompts are token ids).
@@ -203,10 +205,13 @@ def supervise(argv: list[str], timeout: float) -> int:
     its verdict: `expected:`, `actual:`, and a JSON line with the vLLM version, last."""
     ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
     command = [sys.executable, os.path.abspath(__file__), "--subject", *argv]
-    # The subject's stdout goes to a file, not a pipe: a process it leaves holding the pipe
-    # would keep a reader waiting for its end.
+    # Every temporary file of the subject (the model, the servers' logs, vLLM's own) goes into
+    # one folder, removed at the end. The subject's stdout goes to a file, not a pipe: a
+    # process it leaves holding the pipe would keep a reader waiting for its end.
+    scratch = tempfile.mkdtemp(prefix="vllm-repro-")
     with tempfile.TemporaryFile("w+") as stdout:
-        proc = subprocess.Popen(command, stdout=stdout, text=True)
+        environ = {**os.environ, "TMPDIR": scratch}
+        proc = subprocess.Popen(command, stdout=stdout, text=True, env=environ)
         try:
             proc.wait(timeout=timeout)
             why = None
@@ -217,10 +222,12 @@ def supervise(argv: list[str], timeout: float) -> int:
         except KeyboardInterrupt:
             proc.kill()
             _left_behind(0)
+            shutil.rmtree(scratch, ignore_errors=True)
             raise
         left = _left_behind(10.0)
         stdout.seek(0)
         out = stdout.read()
+    shutil.rmtree(scratch, ignore_errors=True)
     lines = [line for line in (out or "").splitlines() if line.startswith(VERDICT)]
     sys.stderr.write(
         "".join(line + "\n" for line in (out or "").splitlines() if not line.startswith(VERDICT))

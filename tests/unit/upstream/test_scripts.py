@@ -218,6 +218,23 @@ def test_a_process_left_behind_is_no_check_and_is_stopped(tmp_path: Path) -> Non
     assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
 
 
+def test_the_subject_s_temporary_files_are_removed(tmp_path: Path) -> None:
+    marker = tmp_path / "folder"
+    path = _script(
+        tmp_path,
+        f"""
+        def run_subject() -> int:
+            folder = tiny_model(weights=True)
+            open({str(marker)!r}, "w").write(folder)
+            return verdict(False, "e", "a")
+        """,
+    )
+    code, _, _ = _run(path)
+    folder = Path(marker.read_text())
+    assert code == 0 and folder.name.startswith("vllm-repro-model-")
+    assert not folder.exists() and not folder.parent.exists()  # the supervisor's whole scratch
+
+
 def test_a_subject_past_the_bound_is_no_check(tmp_path: Path) -> None:
     path = _script(
         tmp_path,
