@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 import subprocess
 import sys
@@ -263,9 +264,11 @@ def test_the_tiny_model_s_weights_load_with_safetensors(tmp_path: Path) -> None:
 
     path = _script(tmp_path, "def run_subject() -> int:\n    return 0\n")
     code = f"import runpy; print(runpy.run_path({str(path)!r})['tiny_model'](weights=True))"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    environ = {**os.environ, "TMPDIR": str(tmp_path)}  # the folder is the test's to remove
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environ)
     assert done.returncode == 0, done.stderr
     folder = Path(done.stdout.strip())
+    assert folder.parent == tmp_path
     tensors = load_file(str(folder / "model.safetensors"))
     config = json.loads((folder / "config.json").read_text())
     assert len(tensors) == 3 + 9 * config["num_hidden_layers"]
