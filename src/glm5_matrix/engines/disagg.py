@@ -29,7 +29,11 @@ from typing import Any
 NIXL_BYTES = "vllm:nixl_bytes_transferred"
 NIXL_FAILED_TRANSFERS = "vllm:nixl_num_failed_transfers_total"
 # On P: read notifications for a request whose KV lease had expired (P had released its blocks).
+# vLLM only logs such a read and D answers 200 with whatever the blocks hold by then: the
+# reproduction for vLLM's maintainers, with the blocks reused so that D's tokens show it, is
+# LATE_READ_REPRODUCTION.
 NIXL_NOTIFS_AFTER_EXPIRY = "vllm:nixl_num_notifications_after_expiry_total"
+LATE_READ_REPRODUCTION = "upstream/nixl-read-after-lease-expiry"
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 EXTERNAL_QUERIES = "vllm:external_prefix_cache_queries_total"
 LOCAL_HITS = "vllm:prefix_cache_hits_total"

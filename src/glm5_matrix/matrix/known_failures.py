@@ -11,6 +11,7 @@ matching and version logic is plain Python for the unit tests.
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -36,6 +37,24 @@ def _version(text: str) -> str | None:
     return None
 
 
+def _evidence_rules(raw: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
+    if raw.get("evidence") and "fixed_in" not in raw:
+        yield "evidence", "the fix as released needs `fixed_in`"
+
+
+EVIDENCE = contracts.table(
+    {
+        "file": Spec(
+            "str",
+            "a file of vLLM's sources, the path under site-packages",
+            required=True,
+            pattern=r"vllm/.+",
+            pattern_says="vllm/...",
+        ),
+        "text": Spec("str", "a line of the fix, as it reads there", required=True, nonempty=True),
+    },
+    "a line of the fix in the released sources (glm5_matrix.upstream.fix_evidence checks it)",
+)
 FAILURE = contracts.table(
     {
         "test": Spec(
@@ -58,6 +77,12 @@ FAILURE = contracts.table(
             check=_version,
             check_says="a version",
         ),
+        "evidence": Spec(
+            "list",
+            "the fix as released: lines present from fixed_in on, absent before",
+            items=EVIDENCE,
+            default=[],
+        ),
         "reason": Spec("str", "what fails and why", required=True, nonempty=True),
         "guard": Spec("bool", "only in runs with the kernel guard on", default=False),
         "reproduction": Spec(
@@ -68,11 +93,23 @@ FAILURE = contracts.table(
         ),
     },
     "one known upstream failure: a strict xfail while the vLLM under test predates its fix",
+    rules=(_evidence_rules,),
+    rules_say=("`evidence` needs `fixed_in`.",),
 )
 REGISTRY = contracts.table(
     {"failure": Spec("list", "[[failure]] entries", items=FAILURE, default=[])},
     "known-failures.toml: tests that fail because of a vLLM defect, until its fix release",
 )
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """A line of the fix as it reads in vLLM's released sources: `text` occurs in `file` (a
+    path under site-packages, vllm/...) from `fixed_in` on (glm5_matrix.upstream.fix_evidence
+    checks it against an installed vLLM)."""
+
+    file: str
+    text: str
 
 
 @dataclass(frozen=True)
@@ -89,6 +126,8 @@ class KnownFailure:
     # The reproduction for vLLM's maintainers, `upstream/NAME` (upstream/NAME/repro.py), for a
     # defect the matrix found itself: the entry goes when the reproduction stops reproducing.
     reproduction: str | None = None
+    # What the fix reads like in the released sources (only with fixed_in).
+    evidence: tuple[Evidence, ...] = ()
 
     def matches(self, nodeid: str, cell_id: str, kernel_guard: bool = False) -> bool:
         if self.guard and not kernel_guard:
@@ -122,6 +161,7 @@ def load_registry(path: Path) -> list[KnownFailure]:
             fixed_in=Version(raw["fixed_in"]) if "fixed_in" in raw else None,
             guard=raw["guard"],
             reproduction=raw.get("reproduction"),
+            evidence=tuple(Evidence(e["file"], e["text"]) for e in raw["evidence"]),
         )
         for raw in data["failure"]
     ]

@@ -1,11 +1,14 @@
 """The findings: upstream/NAME/finding.toml, one folder per vLLM defect (data, read here).
 
-A finding names its reproduction script, the platform it runs on (`cpu`: `nox -s upstream` runs
-it; `gpu`: written for an H200, run by hand), the matrix test that found it, the vLLM sources
-that cause it, the harness's workaround, and its defect-absent controls: runs in which the
-reproduction must report "not reproduced", so that its check is shown able to fail. A control
-either patches one file of vLLM in a copy of the environment (`file`, `old`, `new`: `old` must
-occur exactly once) or passes the script arguments that apply the workaround (`args`), or both.
+A finding names its reproduction script (one self-contained file: vLLM and the standard library
+only, the file a maintainer pastes; `nox -s upstream` runs it as it is), the platform it needs
+(`cpu`: any vLLM, the CPU build included; `gpu`: a GPU), the arguments the runner adds (`{root}`
+is the checkout: a GPU runner without the Hub reads a config folder of profiles/), the matrix
+test that found it, the vLLM sources that cause it, the harness's workaround, and its
+defect-absent controls: runs in which the reproduction must report "not reproduced", so that
+its check is shown able to fail. A control either patches one file of vLLM in a copy of the
+environment (`file`, `old`, `new`: `old` must occur exactly once) or passes the script
+arguments that remove the defect's condition (`args`), or both.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ CONTROL = contracts.table(
         "file": _text("a path under site-packages, e.g. vllm/utils/network_utils.py"),
         "old": _text("the text replaced (it must occur exactly once)"),
         "new": _text("what replaces it"),
-        "args": contracts.strings("the script's arguments that apply the workaround"),
+        "args": contracts.strings("the script's arguments that remove the defect's condition"),
     },
     "a defect-absent run: the reproduction must report 'not reproduced'",
     rules=(_control_rules,),
@@ -61,12 +64,14 @@ FINDING = contracts.table(
         "title": _text("the defect, in one line", required=True),
         "platform": Spec(
             "str",
-            "where the reproduction runs (cpu: nox -s upstream)",
+            "what the reproduction needs (cpu: any vLLM, the CPU build included; gpu: a GPU)",
             required=True,
             choices=PLATFORMS,
         ),
         "script": _text("the reproduction, in the finding's folder", default="repro.py"),
-        "args": contracts.strings("the script's arguments"),
+        "args": contracts.strings(
+            "the arguments the runner adds ({root}: the checkout, e.g. a config folder of profiles/)"
+        ),
         "timeout_s": Spec("number", "the longest a run may take (seconds)", default=600, above=0),
         "found_by": _text("the matrix test that found it", required=True),
         "vllm": contracts.strings("the vLLM versions it was seen on"),

@@ -76,12 +76,23 @@ def test_xfail_only_while_vllm_predates_the_fix(tmp_path: Path) -> None:
         ("[[failure]]\ntest = 1\n", "failure #1.test: must be a string, not an integer (1)"),
         (ENTRY.replace('fixed_in = "0.34.0"', 'fixed_in = "soon"'), "'soon' is not a vLLM version"),
         (ENTRY.replace("test_bug.py::", "test_bug.py:"), "must be a pytest node id (path::name)"),
-        (ENTRY + "colour = 1\n", "failure #1.colour: unknown key (known: cells, fix, "),
+        (ENTRY + "colour = 1\n", "failure #1.colour: unknown key (known: cells, evidence, fix, "),
         (ENTRY + "reasn = 1\n", "failure #1.reasn: unknown key; did you mean 'reason'?"),
         (ENTRY + 'guard = "yes"\n', "failure #1.guard: must be true or false, not a string"),
         ("[other]\n", "other: unknown key (known: failure)"),
         ("[[failure]\n", "not valid TOML"),
         ('[[failure]]\ntest = "a::b"\nupstream = "u"\n', "failure #1.reason: missing (required)"),
+        (ENTRY + 'evidence = "grid"\n', "failure #1.evidence: must be a list"),
+        (
+            ENTRY + 'evidence = [{ file = "x.py", text = "t" }]\n',
+            "failure #1.evidence",
+        ),
+        (ENTRY + 'evidence = [{ file = "vllm/x.py" }]\n', "text: missing (required)"),
+        (
+            ENTRY.replace('fixed_in = "0.34.0"\n', "")
+            + 'evidence = [{ file = "vllm/x.py", text = "t" }]\n',
+            "the fix as released needs `fixed_in`",
+        ),
     ],
 )
 def test_malformed_registry_is_one_clear_error(tmp_path: Path, text: str, message: str) -> None:
@@ -89,6 +100,18 @@ def test_malformed_registry_is_one_clear_error(tmp_path: Path, text: str, messag
         known_failures.load_registry(_write(tmp_path, text))
     assert message in str(error.value)
     assert str(tmp_path / "known-failures.toml") in str(error.value)
+
+
+def test_evidence_parses(tmp_path: Path) -> None:
+    text = ENTRY + 'evidence = [{ file = "vllm/a.py", text = "grid = (N, 1)" }]\n'
+    (entry,) = known_failures.load_registry(_write(tmp_path, text))
+    assert entry.evidence == (known_failures.Evidence("vllm/a.py", "grid = (N, 1)"),)
+
+
+def test_every_fixed_entry_says_what_the_fix_reads_like() -> None:
+    """`nox -s upstream` checks a fix against the installed sources only through evidence."""
+    for entry in known_failures.load_registry(repo_root() / known_failures.REGISTRY_FILE):
+        assert entry.fixed_in is None or entry.evidence, f"{entry.test}: fixed_in, no evidence"
 
 
 def test_the_project_registry_is_valid() -> None:

@@ -18,7 +18,7 @@ from glm5_matrix.upstream import findings, outcome, patching, session
 
 REFERENCE = re.compile(r"upstream/([a-z0-9]+(?:-[a-z0-9]+)+)")
 # Where the harness names a reproduction: its workarounds' code and data.
-SCANNED = ("src/glm5_matrix", "tests/suites", "profiles", "known-failures.toml")
+SCANNED = ("src/glm5_matrix", "tests/suites", "profiles", "known-failures.toml", "matrix.toml")
 
 
 def _referenced(root: Path) -> dict[str, set[str]]:
@@ -88,13 +88,16 @@ def test_every_finding_is_named_by_a_workaround_and_names_its_own() -> None:
         "llm-repr-after-engine-death",
         "nixl-handshake-timeout",
         "jit-monitor-checkpoint-store",
+        "nixl-read-after-lease-expiry",
+        "nixl-block-size-one-way",
     }
     for finding in every:
         assert finding.name in referenced, f"no workaround names upstream/{finding.name}"
         assert finding.workaround is not None
         path = finding.workaround.split(" ", 1)[0].split("::", 1)[0]
         assert (ROOT / path).is_file(), f"{finding.name}: workaround {path} not found"
-        assert (finding.folder / "ISSUE.md").is_file(), f"{finding.name}: no draft issue"
+        drafts = [p for p in ("ISSUE.md", "COMMENT.md") if (finding.folder / p).is_file()]
+        assert drafts, f"{finding.name}: no draft issue (or comment)"
 
 
 def test_every_cpu_finding_has_a_control_and_the_gpu_one_is_not_run_here() -> None:
@@ -170,10 +173,47 @@ def test_reproduction_names() -> None:
             findings.reproduction_name(bad)
 
 
-def test_session_refuses_an_unknown_finding() -> None:
-    assert session.parse(["a", "--controls"], ["a", "b"]).controls
+def test_session_options() -> None:
+    options = session.parse(["a", "--controls"], ["a", "b"], {})
+    assert options == session.Options(("a",), True, "cpu", None)
+    assert session.parse(["--vllm", "0.33.0", "--env", "cuda"], ["a"], {}).vllm == "0.33.0"
+    assert session.parse([], ["a"], {"GLM5_MATRIX_VLLM": "0.31.0"}).vllm == "0.31.0"
+    assert session.parse(["--vllm", "0.33.0"], ["a"], {"GLM5_MATRIX_VLLM": "x"}).vllm == "0.33.0"
     with pytest.raises(UserError, match="unknown finding"):
-        session.parse(["c"], ["a", "b"])
+        session.parse(["c"], ["a", "b"], {})
+
+
+def test_each_vllm_gets_a_venv_of_its_own() -> None:
+    assert session.venv_name("cpu", None) == "upstream"
+    assert session.venv_name("cpu", "0.31.0") == "upstream-vllm-0.31.0"
+    assert session.venv_name("cuda", None) == "upstream-cuda"
+    wheel = "/w/vllm-0.33.0+cu130-cp38-abi3-manylinux_2_28_x86_64.whl"
+    assert session.venv_name("cuda", wheel).startswith("upstream-cuda-vllm-vllm-0.33.0-cu130")
+    assert "/" not in session.venv_name("cpu", "/src/vllm/")
+
+
+def test_the_runner_runs_the_script_as_a_maintainer_would() -> None:
+    every = {f.name: f for f in findings.load_findings(ROOT)}
+    python = Path("/venv/bin/python")
+    late = every["nixl-read-after-lease-expiry"]
+    assert session.command(late, None, python) == [str(python), str(late.script_path)]
+    control = late.controls[0]
+    assert session.command(late, control, python)[2:] == ["--within-lease"]
+    gpu = every["jit-monitor-checkpoint-store"]
+    argv = session.command(gpu, None, python)
+    assert argv[2:4] == ["--model", str(ROOT / "profiles/glm-5.3-flash-4l")]
+    assert (Path(argv[3]) / "config.json").is_file()
+
+
+def test_a_gpu_finding_runs_only_where_a_gpu_is() -> None:
+    from glm5_matrix.machine.hardware import Hardware
+
+    every = {f.name: f for f in findings.load_findings(ROOT)}
+    none, h200 = Hardware((), "test"), Hardware(((9, 0),), "test")
+    assert not session.runs_here(every["jit-monitor-checkpoint-store"], none)
+    assert session.runs_here(every["jit-monitor-checkpoint-store"], h200)
+    assert session.runs_here(every["ctrl-c-during-start"], none)
+    assert session.runs_here(every["ctrl-c-during-start"], h200)
 
 
 # --- verdicts ------------------------------------------------------------------------------------
@@ -182,6 +222,8 @@ def test_session_refuses_an_unknown_finding() -> None:
 def test_the_verdict_is_the_last_line() -> None:
     text = 'noise\n{"reproduced": true, "vllm": "0.32.0", "detail": "d"}\n\n'
     assert outcome.parse_verdict(text) == outcome.Verdict(True, "0.32.0", "d")
+    full = '{"reproduced": false, "vllm": "0.32.0", "detail": "", "expected": "E", "actual": "A"}'
+    assert outcome.parse_verdict(full) == outcome.Verdict(False, "0.32.0", "", "E", "A")
     assert outcome.parse_verdict('{"reproduced": null}').reproduced is None  # type: ignore[union-attr]
     for bad in ("", "not json", '{"reproduced": "yes"}', "[1]", '{"detail": 1}\nend'):
         assert outcome.parse_verdict(bad) is None
@@ -189,12 +231,13 @@ def test_the_verdict_is_the_last_line() -> None:
 
 def _run(reproduced: bool | None, control: str | None = None, **kw: object) -> outcome.Run:
     verdict = outcome.Verdict(reproduced, "0.32.0", "why")
-    fields = {"exit_status": 0, "seconds": 12.4, "leftovers": 0, **kw}
+    fields = {"exit_status": outcome.EXIT_STATUS[reproduced], "seconds": 12.4, "leftovers": 0}
+    fields.update(kw)
     return outcome.Run("f", control, verdict, **fields)  # type: ignore[arg-type]
 
 
 def test_lines_say_reproduced_or_not_on_which_vllm() -> None:
-    assert _run(True).line(None) == "f: reproduced (12 s): why"
+    assert _run(True).line(None) == "f: reproduced on vLLM 0.32.0 (12 s): why"
     assert _run(False).line(None) == "f: not reproduced on vLLM 0.32.0 (12 s): why"
     assert _run(True).ok and _run(False).ok  # today's state of vLLM either way
 
@@ -210,6 +253,9 @@ def test_no_check_or_leftovers_fail_the_run() -> None:
     assert not _run(None).ok
     assert "ERROR" in _run(None).line(None)
     assert not _run(True, exit_status=2).ok
+    assert not _run(True, exit_status=0).ok  # the exit status must say what the line says
+    assert not _run(False, exit_status=1).ok
+    assert "ERROR" in _run(False, exit_status=1).line(None)
     assert not _run(True, leftovers=1).ok
     assert "left and killed" in _run(True, leftovers=1).line(None)
     assert not outcome.Run("f", None, None, 0, 1.0, 0).ok
