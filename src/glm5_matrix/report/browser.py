@@ -468,7 +468,7 @@ def collapsed_problems(sections: list[dict[str, Any]]) -> list[str]:
 def chart_problems(charts: list[dict[str, Any]], report: Any) -> list[str]:
     """Every judged comparison of the results is drawn, rendered (it has a size), and drawn
     right: the noise band left of the tolerance, each judged run on the side of the tolerance
-    its delta is, each control at or past the bar it reached."""
+    its delta is, each control past its bar exactly when its power reached it."""
     problems = []
     drawn = {(c["cell"], c["name"]): c for c in charts}
     expected = {(cell.id, c.name): c for cell in report.cells for c in cell.comparisons}
@@ -505,10 +505,23 @@ def chart_problems(charts: list[dict[str, Any]], report: Any) -> list[str]:
                 f"chart {where}: {len(chart['controls'])} controls drawn, not "
                 f"{len(comparison.controls)}"
             )
+        measured = {c.label: c for c in comparison.controls}
         for control in chart["controls"]:
             bar = chart["bar"] if chart["bar"] is not None else tolerance
-            if not control["width"] > 0 or control["x"] < bar - 1:
+            data = measured.get(control["label"])
+            # A control is drawn past its bar exactly when its data reach it: one that fell
+            # short (a NoPower failure) must be drawn short, not only one that passed drawn past.
+            reaches = (
+                data is None
+                or data.power is None
+                or data.min_power is None
+                or (data.power >= data.min_power)
+            )
+            if not control["width"] > 0:
+                problems.append(f"chart {where}: control {control['label']} is not rendered")
+            elif (control["x"] >= bar - 1) != reaches:
+                side = "past" if control["x"] >= bar - 1 else "short of"
                 problems.append(
-                    f"chart {where}: control {control['label']} is drawn short of its bar"
+                    f"chart {where}: control {control['label']} is drawn {side} its bar"
                 )
     return problems

@@ -76,6 +76,46 @@ def built(
     return made, out / "report.html"
 
 
+def test_a_control_short_of_its_bar_is_drawn_short_and_checked_against_its_data(
+    chromium, tmp_path, matrix
+):
+    """A real NoPower failure (the second H100 run's e2e-tp1(flashinfer): moe_agree's control at
+    power 1.44 against a bar of 2) is drawn short of its bar and the check accepts that; drawn
+    past its bar, the check says so."""
+    tree = tmp_path / "results"
+    tree.mkdir()
+    h100 = (
+        repo_root() / "tests" / "unit" / "data" / "h100-2026-12-06-nopower" / "e2e-tp1-flashinfer"
+    )
+    shutil.copytree(h100, tree / "e2e-tp1-flashinfer")
+    made = model.collect(matrix, tree)
+    command.write(made, tree / "report")
+    page = tree / "report" / "report.html"
+    checked = browser.check_report(page, made)
+    assert not [p for p in checked.problems if "its bar" in p], checked.problems
+    # The chart the check reads is the one under #comparisons (the failure's copy comes first).
+    head, _, charts = page.read_text().partition('id="comparisons"')
+    assert charts, "no comparisons section"
+
+    def past_the_bar(text: str) -> str:
+        return (
+            head
+            + 'id="comparisons"'
+            + re.sub(
+                r'(<svg class="comparison" role="img" data-cell="e2e-tp1\(flashinfer\)" '
+                r'data-name="moe_agree".*?<path class="control"[^>]*?) d="M[0-9.]+,',
+                r'\1 d="M560,',
+                charts,
+                count=1,
+                flags=re.S,
+            )
+        )
+
+    planted = _plant(page, tmp_path, past_the_bar)
+    checked = browser.check_report(planted, made)
+    assert any("drawn past its bar" in p for p in checked.problems), checked.problems
+
+
 def test_the_report_loads_cleanly_with_every_cell_and_test(chromium, built, matrix):
     made, page = built
     shot = page.with_name("report.png")
