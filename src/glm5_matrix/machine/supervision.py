@@ -214,7 +214,11 @@ def guard_nox_process(argv: Sequence[str]) -> str:
             return
         received.append(signum)
         name = signal.Signals(signum).name
-        started = set(processes.live_children())  # nox's own children: its Popen waits on them
+        # nox's own children, the ones that already ended too: its Popen waits on them, and a
+        # child reaped here instead would read to nox as one that exited 0 (a SIGTERM to the
+        # whole group ends a child without a handler before this runs: `nox -s mutants` read
+        # "successful" on the H100, 2026-12-06).
+        started = set(processes.live_children()) | set(processes.zombie_children())
         if started:
             _say(f"{name}: stopping every cell, then exiting")
         for child in started:

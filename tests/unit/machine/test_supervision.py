@@ -519,3 +519,50 @@ def test_the_main_nox_death_is_named_when_its_worker_stops_the_cell_first(tmp_pa
     assert ended["how"] == "process-died", ended
     assert ended["signal"] is None and f"main nox (pid {main.pid})" in ended["detail"], ended
     assert "killed at once" in ended["detail"], ended
+
+
+# A nox that runs one session's command itself (`nox -s mutants`): the command is its child, and
+# nox's Popen waits on it. SIGTERM is held back until the child has ended unreaped, as when a
+# SIGTERM to the whole group ends a child without a handler before nox's own handler runs.
+_NOX_WITH_A_DEAD_CHILD = textwrap.dedent(
+    """
+    import signal, subprocess, sys, time
+    from glm5_matrix.machine import processes, supervision
+    supervision.guard_nox_process(["nox", "-s", "mutants"])
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    print(child.pid, flush=True)
+    while child.pid not in processes.zombie_children():
+        time.sleep(0.05)
+    print("ended", flush=True)
+    while signal.SIGTERM not in signal.sigpending():
+        time.sleep(0.05)
+    try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # the handler runs here
+        time.sleep(30)
+    except KeyboardInterrupt:
+        pass
+    print("status", child.wait(), flush=True)
+    """
+)
+
+
+def test_the_main_nox_leaves_its_own_ended_child_to_its_popen() -> None:
+    """nox's handler waits for every descendant and reaps orphans, but not nox's own children,
+    even one that ended before the handler ran: reaped there, its Popen would read exit status 0
+    (Python's waitpid sees ECHILD) and nox would call an interrupted session successful (the
+    H100's `nox -s mutants`, 2026-12-06). Its Popen reads how it ended."""
+    main = subprocess.Popen(
+        [sys.executable, "-c", _NOX_WITH_A_DEAD_CHILD],
+        env=environ_with_src(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert main.stdout is not None
+    child = int(main.stdout.readline())
+    os.kill(child, signal.SIGKILL)
+    assert main.stdout.readline().strip() == "ended"
+    main.send_signal(signal.SIGTERM)
+    out, err = main.communicate(timeout=60)
+    assert out.split() == ["status", str(-signal.SIGKILL)], err
