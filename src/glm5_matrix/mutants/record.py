@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import fcntl
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -90,6 +90,7 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "caught": overall.caught,
         "judged": overall.judged,
         "not_run": sum(r["status"] == verdicts.NOT_RUN for r in rows),
+        "interrupted": sum(r["status"] == verdicts.INTERRUPTED for r in rows),
         "survivors": [r["name"] for r in rows if r["status"] == verdicts.SURVIVED],
     }
 
@@ -101,13 +102,16 @@ def write(
     wall_seconds: float,
     ci: bool = False,
     order: Sequence[str] = (),
+    ended: Mapping[str, Any] | None = None,
 ) -> Path:
+    """`ended`: how this run ended ({"how": "running" | "finished" | "signal", ...}), recorded
+    as the file's own and shown atop the table."""
     out.mkdir(parents=True, exist_ok=True)
     # Two sessions may share the folder (cells split between them): read, merge and write
     # under one lock.
     with (out / ".lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        return _write(out, controls, outcomes, wall_seconds, ci, order)
+        return _write(out, controls, outcomes, wall_seconds, ci, order, ended)
 
 
 def _write(
@@ -117,6 +121,7 @@ def _write(
     wall_seconds: float,
     ci: bool,
     order: Sequence[str],
+    ended: Mapping[str, Any] | None,
 ) -> Path:
     path = out / RESULTS_FILE
     try:
@@ -130,6 +135,7 @@ def _write(
     data = {
         "ci": ci,
         "wall_seconds": round(wall_seconds, 1),
+        "ended": dict(ended or {"how": "finished"}),
         "controls": merge(previous.get("controls", []), [row(c) for c in controls], "cell"),
         "mutants": rows,
         "summary": summarize(rows),

@@ -10,6 +10,13 @@ results/. GPU cells this box cannot run are listed with the command that runs th
     python -m glm5_matrix.mutants.run [--ci] [--jobs N] [--only NAME ...] [--list] [-- CELL ARGS]
 
 What follows a second `--` goes to every cell run (e.g. `-- --kernel-archive FILE`).
+
+A SIGINT, SIGTERM or SIGHUP (Ctrl-C, a CI job cancelled, the driver of a lent GPU runner) stops
+the run: the cells running get SIGTERM and are waited for (their own supervision stops them and
+records the interruption), no other starts, every mutant or control not judged by then is
+recorded as interrupted (results.json, report.md and the printed table; never caught or
+survived), and the run exits 128 + the signal's number. A second signal is ignored: the cells'
+teardown is under way.
 GLM5_MATRIX_MUTANTS_WRAP (e.g. "heavy") is put before every cell command: on a shared box each
 cell then takes a machine-wide slot of its own. With GLM5_MATRIX_PYTHON (a box whose vLLM is
 installed for that interpreter, nothing to build) the copy is an overlay of the patched packages
@@ -31,12 +38,14 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 from glm5_matrix.envs import environments
 from glm5_matrix.errors import UserError
 from glm5_matrix.files import repo_root
 from glm5_matrix.kernels import kernel_guard
-from glm5_matrix.machine import hardware
+from glm5_matrix.machine import hardware, supervision
 from glm5_matrix.matrix.matrix import Matrix, Variant
 from glm5_matrix.mutants import catalogue, patching, record, verdicts
 from glm5_matrix.mutants.catalogue import Mutant
@@ -62,6 +71,49 @@ OVERLAY_PACKAGES = ["vllm"]  # what a control's overlay copies (the catalogue pa
 def given_python(environ: dict[str, str]) -> str | None:
     """The interpreter GLM5_MATRIX_PYTHON names: the cells run it, nothing is built."""
     return environ.get(environments.PYTHON_VARIABLE) or None
+
+
+class Stop:
+    """The run's stop: the first SIGINT, SIGTERM or SIGHUP sets it (install(), in the main thread);
+    the cells running see it within a poll and are stopped, the attempts not started yet see it
+    and start nothing."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.signal: str | None = None
+
+    def set(self, name: str) -> None:
+        self.signal = name
+        self.event.set()
+
+    def is_set(self) -> bool:
+        return self.event.is_set()
+
+    def install(self) -> dict[int, Any]:
+        """Handlers for supervision.STOP_SIGNALS; the previous ones, to put back."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def handler(signum: int, frame: FrameType | None) -> None:
+            name = signal.Signals(signum).name
+            if self.is_set():
+                print(f"mutants: {name} again: the cells are being stopped", flush=True)
+                return
+            print(
+                f"mutants: {name}: stopping the cells, then recording them interrupted", flush=True
+            )
+            self.set(name)
+
+        return {sig: signal.signal(sig, handler) for sig in supervision.STOP_SIGNALS}
+
+
+class Interrupted(Exception):
+    """A cell run stopped because the mutants run was (Stop)."""
+
+
+# How long a stopped cell gets to end (its nox waits for its own descendants that long), before
+# it is killed.
+STOP_WAIT_S = supervision.WAIT_ALL_S + supervision.KILL_AFTER_S
 
 
 @dataclass(frozen=True)
@@ -99,12 +151,14 @@ def run_cell(
     first_failure: bool = False,
     cell_args: Sequence[str] = (),
     overlay: Path | None = None,
+    stop: Stop | None = None,
 ) -> int:
     """The cell's own nox session on the copy in `venvs`, its results under `results`; with
     `first_failure`, pytest stops at the first failing test (-x: a caught mutant is named by
     its first catcher, and its run is short). `cell_args` go to the cell (its --kernel-archive
     ...); with `overlay`, the cell runs the given interpreter with the overlay first on its
-    PYTHONPATH."""
+    PYTHONPATH. With `stop` set meanwhile, the cell gets SIGTERM, is waited for (STOP_WAIT_S,
+    then killed) and Interrupted is raised."""
     command = [
         *wrap,
         sys.executable,
@@ -148,6 +202,14 @@ def run_cell(
             # The cell's timeout counts from its start, not from while `wrap` waits for a slot.
             deadline = None
             while process.poll() is None:
+                if stop is not None and stop.is_set():
+                    process.send_signal(signal.SIGTERM)  # nox's supervision stops the cell
+                    try:
+                        process.wait(timeout=STOP_WAIT_S)
+                    except subprocess.TimeoutExpired:
+                        process.kill()
+                        process.wait()
+                    raise Interrupted(stop.signal or "a signal")
                 if deadline is None and started.exists():
                     deadline = time.monotonic() + timeout
                 if deadline is not None and time.monotonic() > deadline:
@@ -159,6 +221,8 @@ def run_cell(
                         return process.wait()
                 time.sleep(2)
             return process.returncode
+        except Interrupted:
+            raise
         except BaseException:
             process.send_signal(signal.SIGTERM)
             process.wait(timeout=120)
@@ -176,9 +240,17 @@ def _attempt(
     say: Callable[[str], None],
     keep: bool,
     cell_args: Sequence[str] = (),
+    stop: Stop | None = None,
 ) -> Outcome:
     variant = matrix.variant(cell)
     label = mutant.name if mutant else f"control-{variant.slug}"
+    if stop is not None and stop.is_set():
+        # Stopped before this one started: it judges nothing, and says so.
+        verdict = verdicts.Verdict(
+            verdicts.INTERRUPTED, detail=f"not started: the run was stopped by {stop.signal}"
+        )
+        say(f"{label}: {verdict.status} ({verdict.detail})")
+        return Outcome(mutant, cell, verdict, 0.0, None)
     if mutant is not None and (control is None or control.status != verdicts.SURVIVED):
         # Nothing a run of it could show: not run, and not judged.
         verdict = verdicts.judge(None, mutant.expect, control)
@@ -220,11 +292,17 @@ def _attempt(
             first_failure=mutant is not None,
             cell_args=cell_args,
             overlay=overlay,
+            stop=stop,
         )
     except UserError as exc:
         return Outcome(
             mutant, cell, verdicts.Verdict(verdicts.INVALID, detail=str(exc)), 0.0, None, files
         )
+    except Interrupted as exc:
+        verdict = verdicts.interrupted(str(exc), schema.load(results / variant.slug))
+        seconds = time.monotonic() - started
+        say(f"{label}: {verdict.status} ({verdict.detail}) after {seconds:.0f} s")
+        return Outcome(mutant, cell, verdict, seconds, str(results / variant.slug), files)
     finally:
         if not keep and work.exists():
             shutil.rmtree(work)  # hard links and the copy's own files only
@@ -305,27 +383,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     for m in runnable:
         by_cell.setdefault(m.cell, []).append(m)
     book = _Book(out, args.ci, order, outcomes)
-
-    def control(cell: str) -> Outcome:
-        selection = catalogue.control_selection(by_cell[cell])
-        return book.control(
-            _attempt(matrix, None, cell, selection, out, wrap, None, say, args.keep, cell_args)
+    stop = Stop()
+    previous = stop.install()  # kept until the record is written and printed
+    try:
+        finished, controls_done = _run_all(
+            matrix, by_cell, out, wrap, say, args.keep, cell_args, args.jobs, book, stop
         )
+        return _record(matrix, book, stop, finished, controls_done, cell_args, args.ci, say)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        # Controls first (nothing waits on a control queued behind it), the mutants after them
-        # one cell at a time in turn, so that every cell gets verdicts early in a long run.
-        controls = {cell: pool.submit(control, cell) for cell in by_cell}
 
-        def mutant(m: Mutant) -> Outcome:
-            verdict = controls[m.cell].result().verdict
-            return book.mutant(
-                _attempt(matrix, m, m.cell, m.select, out, wrap, verdict, say, args.keep, cell_args)
-            )
-
-        judged = [pool.submit(mutant, m) for m in _in_turn(by_cell)]
-        finished = [f.result() for f in judged]
-        controls_done = [f.result() for f in controls.values()]
+def _record(
+    matrix: Matrix,
+    book: _Book,
+    stop: Stop,
+    finished: list[Outcome],
+    controls_done: list[Outcome],
+    cell_args: Sequence[str],
+    ci: bool,
+    say: Callable[[str], None],
+) -> int:
+    """The run's record (results.json, report.md, the kept GPU verdicts), printed; its exit
+    status: 128 + the signal when it was stopped, 1 when a control or mutant run was invalid
+    (or, in CI, a mutant survived), else 0."""
+    environ = dict(os.environ)
+    out = book.out
+    book.ended = {"how": "finished"}
+    if stop.is_set():
+        book.ended = {
+            "how": "signal",
+            "signal": stop.signal,
+            "interrupted": [
+                o.mutant.name if o.mutant else f"control of {o.cell}"
+                for o in [*controls_done, *finished]
+                if o.verdict.status == verdicts.INTERRUPTED
+            ],
+        }
     written = book.write()
     say(f"wrote {written}")
     kept = record.keep(
@@ -344,11 +439,51 @@ def main(argv: Sequence[str] | None = None) -> int:
     if kept is not None:
         say(f"kept the GPU verdicts in {kept}: commit it (a GPU runner's results go with it)")
         book.write()  # the report shows them
-    print((out / record.REPORT_FILE).read_text())
+    print((out / record.REPORT_FILE).read_text(), flush=True)
+    if stop.is_set():
+        # An interrupted run judged less than it was asked to: never a success.
+        return 128 + signal.Signals[stop.signal or "SIGTERM"].value
     bad = [o for o in [*controls_done, *finished] if o.verdict.status == verdicts.INVALID]
     # In CI a survivor is a loss of power: the subset holds mutants the matrix catches.
-    lost = [o for o in finished if args.ci and o.verdict.status == verdicts.SURVIVED]
+    lost = [o for o in finished if ci and o.verdict.status == verdicts.SURVIVED]
     return 1 if bad or lost else 0
+
+
+def _run_all(
+    matrix: Matrix,
+    by_cell: dict[str, list[Mutant]],
+    out: Path,
+    wrap: Sequence[str],
+    say: Callable[[str], None],
+    keep: bool,
+    cell_args: Sequence[str],
+    jobs: int,
+    book: _Book,
+    stop: Stop,
+) -> tuple[list[Outcome], list[Outcome]]:
+    """Each cell's control, then its mutants: (the mutants' outcomes, the controls')."""
+
+    def control(cell: str) -> Outcome:
+        selection = catalogue.control_selection(by_cell[cell])
+        return book.control(
+            _attempt(matrix, None, cell, selection, out, wrap, None, say, keep, cell_args, stop)
+        )
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        # Controls first (nothing waits on a control queued behind it), the mutants after them
+        # one cell at a time in turn, so that every cell gets verdicts early in a long run.
+        controls = {cell: pool.submit(control, cell) for cell in by_cell}
+
+        def mutant(m: Mutant) -> Outcome:
+            verdict = controls[m.cell].result().verdict
+            return book.mutant(
+                _attempt(
+                    matrix, m, m.cell, m.select, out, wrap, verdict, say, keep, cell_args, stop
+                )
+            )
+
+        judged = [pool.submit(mutant, m) for m in _in_turn(by_cell)]
+        return [f.result() for f in judged], [f.result() for f in controls.values()]
 
 
 def _in_turn(by_cell: dict[str, list[Mutant]]) -> list[Mutant]:
@@ -370,6 +505,7 @@ class _Book:
         self.out, self.ci, self.order = out, ci, order
         self.controls: list[Outcome] = []
         self.outcomes = list(outcomes)
+        self.ended: dict[str, Any] = {"how": "running"}  # "finished" or "signal" at the end
         self.started = time.monotonic()
         self.lock = threading.Lock()
         self.write()
@@ -394,6 +530,7 @@ class _Book:
             time.monotonic() - self.started,
             ci=self.ci,
             order=self.order,
+            ended=self.ended,
         )
 
 

@@ -3,7 +3,9 @@
 A mutant is caught when a selected test failed or errored; it survived when the selected tests
 ran to the end and passed. A run that did not finish, that ran no test, that was skipped, or
 whose control (the same tests on an unpatched copy) was not green judges nothing: its verdict
-says why, and it counts neither way. The tests that caught a mutant are named; whether they are
+says why, and it counts neither way. A run the mutants run stopped (a signal to it) is
+interrupted, whatever its tests had done by then: a test that failed while the engine was
+being torn down proves nothing. The tests that caught a mutant are named; whether they are
 the ones the catalogue expected is said too.
 """
 
@@ -14,7 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 CAUGHT, SURVIVED, INVALID, NOT_RUN = "caught", "survived", "invalid", "not-run"
-STATUSES = (CAUGHT, SURVIVED, INVALID, NOT_RUN)
+# A run stopped by a signal to the mutants run (Ctrl-C, a cancelled job): judges nothing.
+INTERRUPTED = "interrupted"
+STATUSES = (CAUGHT, SURVIVED, INVALID, NOT_RUN, INTERRUPTED)
 _FAILING = ("failed", "error")
 
 
@@ -62,6 +66,14 @@ def judge_control(results: Mapping[str, Any] | None) -> Verdict:
     return Verdict(
         SURVIVED, detail=f"control green: {sum(o == 'passed' for o in outcomes.values())} passed"
     )
+
+
+def interrupted(signal: str, results: Mapping[str, Any] | None) -> Verdict:
+    """A run stopped because the mutants run got `signal`, with what the cell recorded of it."""
+    ended = (results or {}).get("ended") or {}
+    where = f" during {short_name(ended['test'])}" if ended.get("test") else ""
+    said = f"; the cell recorded: {ended.get('how')}{where}" if ended else ""
+    return Verdict(INTERRUPTED, detail=f"stopped by {signal}, not judged{said}")
 
 
 def judge(

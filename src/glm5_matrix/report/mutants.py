@@ -36,6 +36,8 @@ def verdict_text(row: Mapping[str, Any], kept: Sequence[KeptVerdict] = ()) -> st
         return "**survived**" + (f": {row['note']}" if row.get("note") else "")
     if status == "not-run":
         return f"not run here: {row.get('detail', '')}"
+    if status == "interrupted":
+        return f"**interrupted**: {row.get('detail', '')}"
     return f"invalid: {row.get('detail', '')}"
 
 
@@ -64,6 +66,8 @@ def _none_judged(rows: list[Mapping[str, Any]], cell: str) -> str:
     statuses = {row["status"] for row in rows if row["cell"] == cell}
     if statuses == {"not-run"}:
         return "not run here (GPU)"
+    if "interrupted" in statuses:
+        return "none judged: the run was interrupted"
     if "invalid" in statuses:
         return "none judged: its control failed"
     return "none judged"
@@ -79,6 +83,7 @@ def render(data: Mapping[str, Any], kept: Sequence[KeptVerdict] = ()) -> str:
         f"{len(rows)} mutants{' (the CI subset)' if data.get('ci') else ''}; "
         f"wall {data.get('wall_seconds', 0) / 60:.1f} min.",
         "",
+        *_ended(data.get("ended") or {}),
         *rows_table(data, kept=kept),
     ]
     summary = data.get("summary", {})
@@ -95,6 +100,20 @@ def render(data: Mapping[str, Any], kept: Sequence[KeptVerdict] = ()) -> str:
     if kept:
         lines += ["", *kept_rates(kept)]
     return "\n".join(lines) + "\n"
+
+
+def _ended(ended: Mapping[str, Any]) -> list[str]:
+    """A line atop the table when the run did not finish."""
+    if ended.get("how") == "signal":
+        stopped = ", ".join(f"`{n}`" for n in ended.get("interrupted", [])) or "nothing"
+        return [
+            f"**This run was interrupted by {ended.get('signal')}**: not judged, and recorded as "
+            f"interrupted: {stopped}. The other rows are earlier verdicts or this run's.",
+            "",
+        ]
+    if ended.get("how") == "running":
+        return ["**This run is still running (or ended without a word)**: rows may be missing.", ""]
+    return []
 
 
 def kept_rates(kept: Sequence[KeptVerdict]) -> list[str]:
