@@ -32,6 +32,12 @@ symbols undefined (build.json lists them); the loader binds functions at their f
 loading succeeds and a process that takes another path dies at its first call into it with
 "symbol lookup error: ... undefined symbol: <the symbol>". vLLM's FLASHINFER_CUTLASS with fp8
 block scales never calls them (the GPU run shows it: 0 compiles, no symbol error).
+
+Beside it, FlashInfer's trtllm_utils (the autotuner's delay kernel, which FlashInfer's JIT path
+built at the H100's first flashinfer start) is built whole the same way and listed by the same
+provider (build_utils_module). The DeepGEMM kernels both FlashInfer modules compile at run time
+are glm5_matrix.kernels.trtllm_deepgemm's; the proof that a start builds nothing is
+glm5_matrix.kernels.aot_check's.
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ from glm5_matrix.kernels import cuda_toolchain, kernel_cache, trtllm_deepgemm
 from glm5_matrix.kernels.kernel_cache import KernelCache
 
 MODULE = "fused_moe_90"
+# FlashInfer's TensorRT-LLM utilities (the autotuner's delay kernel): built whole.
+UTILS_MODULE = "trtllm_utils"
 # FlashInfer's CUDA target of the module (gen_cutlass_fused_moe_sm90_module: sm90a_nvcc_flags).
 TARGET = "sm90a"
 ARCH_LIST = "9.0a"
@@ -263,42 +271,58 @@ def activate(
 # --- the build, in the cell's interpreter -----------------------------------------------------
 
 
+# FlashInfer's generator of each module built here (module, function).
+GENERATORS = {
+    MODULE: ("flashinfer.jit.fused_moe", "gen_cutlass_fused_moe_sm90_module"),
+    UTILS_MODULE: ("flashinfer.jit.tllm_utils", "gen_trtllm_utils_module"),
+}
+
+
 def _driver(request: dict[str, Any]) -> dict[str, Any]:
     """Run in the interpreter whose FlashInfer is compiled: FlashInfer's own generator writes the
-    module's build.ninja (the sources narrowed to `request["sources"]`) under the build folder,
-    the way flashinfer.aot's compile_and_package_modules points its JIT folders elsewhere."""
+    module's build.ninja (the sources narrowed to `request["sources"]` when given) under the build
+    folder, the way flashinfer.aot's compile_and_package_modules points its JIT folders
+    elsewhere."""
+    import importlib
+    import importlib.util
+
     from flashinfer.jit import env as jit_env
-    from flashinfer.jit.fused_moe import gen_cutlass_fused_moe_sm90_module
 
     build = Path(request["build_dir"])
     workspace = Path(jit_env.FLASHINFER_WORKSPACE_DIR).relative_to(jit_env.FLASHINFER_BASE_DIR)
     jit_env.FLASHINFER_WORKSPACE_DIR = build
     jit_env.FLASHINFER_JIT_DIR = build / "cached_ops"
     jit_env.FLASHINFER_GEN_SRC_DIR = build / "generated"
-    spec = gen_cutlass_fused_moe_sm90_module()
+    where, function = GENERATORS[request["module"]]
+    spec = getattr(importlib.import_module(where), function)()
     if spec.name != request["module"]:
         raise SystemExit(
-            f"FlashInfer names the SM90 CUTLASS MoE module {spec.name!r} here, not "
+            f"FlashInfer's {function} names its module {spec.name!r} here, not "
             f"{request['module']!r} (an H20's prebuilt-D variant?)"
         )
     csrc = Path(jit_env.FLASHINFER_CSRC_DIR)
-    wanted = [csrc / source for source in request["sources"]]
-    known = {Path(s) for s in spec.sources}
-    absent = [str(w) for w in wanted if w not in known]
-    if absent:
-        raise SystemExit(f"not sources of FlashInfer's {spec.name} here: {', '.join(absent)}")
-    narrowed = dataclasses.replace(spec, sources=wanted)
-    narrowed.write_ninja()
+    total = len(spec.sources)
+    generated_sources = sum(1 for s in spec.sources if Path(s).name.endswith(".generated.cu"))
+    if request.get("sources") is not None:
+        wanted = [csrc / source for source in request["sources"]]
+        known = {Path(s) for s in spec.sources}
+        absent = [str(w) for w in wanted if w not in known]
+        if absent:
+            raise SystemExit(f"not sources of FlashInfer's {spec.name} here: {', '.join(absent)}")
+        spec = dataclasses.replace(spec, sources=wanted)
+    spec.write_ninja()
     from flashinfer.version import __version__ as flashinfer_version
 
+    vllm = importlib.util.find_spec("vllm")  # located, not imported
     return {
-        "ninja_file": str(narrowed.ninja_path),
-        "build_dir": str(narrowed.build_dir),
-        "library": str(narrowed.jit_library_path),
-        "module_sources": len(spec.sources),
-        "generated_sources": sum(1 for s in spec.sources if s.name.endswith(".generated.cu")),
+        "ninja_file": str(spec.ninja_path),
+        "build_dir": str(spec.build_dir),
+        "library": str(spec.jit_library_path),
+        "module_sources": total,
+        "generated_sources": generated_sources,
         "flashinfer_version": flashinfer_version,
         "csrc": str(csrc),
+        "vllm": str(Path(vllm.origin).parent) if vllm and vllm.origin else None,
         "workspace": str(workspace),  # under FLASHINFER_WORKSPACE_BASE, where it writes at run time
         "generated": str(build / "generated"),
     }
@@ -323,13 +347,19 @@ class Built:
     def describe(self) -> str:
         objects = self.record["objects"]
         compiled = sum(1 for o in objects if o["compiled_now"])
-        return (
+        line = (
             f"{self.module} ({self.record['bytes'] / 2**20:.1f} MiB): {len(objects)} of "
             f"{self.record['module_sources']} objects of FlashInfer's {self.record['module']} "
             f"({compiled} compiled now, {self.record['wall_s']:.0f} s), "
-            f"{len(self.record['missing_symbols'])} symbols of other paths left undefined; "
-            f"{len(self.record['deepgemm_kernels'])} DeepGEMM kernels for "
-            f"{len(self.record['deepgemm_shapes'])} MoE shapes"
+            f"{len(self.record['missing_symbols'])} symbols of other paths left undefined"
+        )
+        kernels = self.record.get("deepgemm_kernels")
+        if kernels is None:
+            return line
+        now = sum(1 for k in kernels if k["compiled_now"])
+        return (
+            f"{line}; {len(kernels)} DeepGEMM kernels ({now} compiled now) for "
+            f"{len(self.record['deepgemm_gemms'])} GEMM shapes"
         )
 
 
@@ -395,190 +425,51 @@ def path_symbols(demangled: Sequence[str]) -> list[str]:
     return [name for name in demangled if _PATH_OWN.search(name)]
 
 
-# --- proof that a runner's start builds nothing ----------------------------------------------
-
-
-def _check_driver(request: dict[str, Any]) -> dict[str, Any]:
-    """Run in the cell's interpreter with the provider on sys.path: FlashInfer's own entry of the
-    CUTLASS MoE (get_cutlass_fused_moe_module, what vLLM's FLASHINFER_CUTLASS experts call) must
-    load the AOT module without building (a ninja run raises here, before it could write), then
-    the runner of
-    `request["dtypes"]` is made through the module's `init`."""
-    import torch
-    from flashinfer.jit import cpp_ext
-    from flashinfer.jit import env as jit_env
-
-    def no_build(*args: Any, **kwargs: Any) -> None:
-        raise RuntimeError(f"FlashInfer went to build {args[1] if len(args) > 1 else args}")
-
-    cpp_ext.run_ninja = no_build
-    import flashinfer.jit.core as jit_core
-
-    jit_core.run_ninja = no_build
-    artifacts = [
-        {"provider": a.provider_id, "path": str(a.path)}
-        for a in jit_env.get_aot_artifacts(request["module"])
-    ]
-    from flashinfer.fused_moe.core import get_cutlass_fused_moe_module
-
-    result: dict[str, Any] = {"artifacts": artifacts}
-    module = get_cutlass_fused_moe_module("90")
-    with open("/proc/self/maps") as maps:
-        result["mapped"] = sorted(
-            {line.split(None, 5)[5].strip() for line in maps if f"{request['module']}.so" in line}
-        )
-    activation, weight, output = (getattr(torch, name) for name in request["dtypes"])
-    print("GLM5-AOT-LOADED " + json.dumps(result), flush=True)
-    from flashinfer.tllm_enums import ActivationType
-
-    try:  # FlashInfer's runner, as cutlass_fused_moe makes it (module.init underneath)
-        module.MoERunner(
-            x_dtype=activation,
-            weight_dtype=weight,
-            output_dtype=output,
-            top_k=8,
-            tp_size=1,
-            tp_rank=0,
-            ep_size=1,
-            ep_rank=0,
-            cluster_size=1,
-            cluster_rank=0,
-            enable_alltoall=False,
-            use_deepseek_fp8_block_scale=request["block_scale"],
-            use_w4_group_scaling=False,
-            use_mxfp8_act_scaling=False,
-            min_latency_mode=False,
-            enable_pdl=False,
-            activation_type=ActivationType.Swiglu,
-            use_packed_weights=False,
-            use_fused_finalize=False,
-            use_wfp4afp8_humming=False,
-        )
-        result["init"] = "made"
-    except Exception as exc:  # no GPU here: the runner's first CUDA call fails
-        result["init"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-    return result
-
-
-def _check_main() -> None:
-    request = json.loads(sys.argv[1])
-    print("GLM5-AOT-CHECK " + json.dumps(_check_driver(request)), flush=True)
-
-
-_CHECK = (
-    "import sys; sys.path.insert(0, sys.argv[2]); "
-    "from glm5_matrix.kernels.flashinfer_aot import _check_main; _check_main()"
-)
-
-# The runner the profile's MoE path makes (bf16 activations, fp8_e4m3 weights, DeepSeek block
-# scales) and one the module leaves out (fp16), made through the module's `init`.
-CHECKED_PATHS = {
-    "fp8-block-scale": (("bfloat16", "float8_e4m3fn", "bfloat16"), True),
-    "fp16": (("float16", "float16", "float16"), False),
-}
-
-
 @dataclasses.dataclass
-class Checked:
-    path: str
-    returncode: int
-    result: dict[str, Any] | None
-    loaded: dict[str, Any] | None
-    error: str  # the last lines of stderr
+class _Compiled:
+    """A module's objects compiled and linked by FlashInfer's build.ninja in the build folder."""
 
-    def symbol_error(self) -> str | None:
-        match = re.search(r"symbol lookup error: .*", self.error)
-        return match.group(0) if match else None
+    build: Path
+    generated: dict[str, Any]
+    ninja_file: Path
+    edges: dict[str, tuple[str, str]]
+    objects: list[Path]
+    before: dict[Path, int]  # mtimes of the objects that existed before the build
+    library: Path
+    missing: list[str]  # demangled symbols left undefined
+    notes: list[str]
+    env: dict[str, str]
 
-
-def check_module(
-    kernels: KernelCache, python: str, environ: Mapping[str, str] | None = None
-) -> tuple[list[Checked], dict[str, list[str]], list[str]]:
-    """The proof on a machine without a GPU (module doc): in a fresh process per path of
-    CHECKED_PATHS, with the provider the runner writes on its PYTHONPATH and nothing FlashInfer
-    could build with (no ninja on PATH, and a build attempt raises), FlashInfer's entry loads the
-    key folder's module; the block-scale runner is made up to its first CUDA call, the fp16
-    runner ends the process naming the undefined symbol. FlashInfer's folders are the key
-    folder's, as in a cell: returns the checks, what they wrote into the kernel cache
-    (kernel_cache.written: nothing, on a key folder that holds what a runner imports) and how
-    the module was made loadable here."""
-    environ = dict(os.environ if environ is None else environ)
-    module = library_folder(kernels) / MODULE / f"{MODULE}.so"
-    if not module.is_file():
-        raise UserError(f"{module}: no AOT build of {MODULE} in the kernel cache (build-moe)")
-    site = kernels.directory / BUILD_FOLDER / "check-site"
-    shutil.rmtree(site, ignore_errors=True)
-    write_provider(kernels, site)
-    python_lib = cuda_toolchain.site_packages(python, environ)
-    # A machine without a GPU has no libcuda.so.1 for the module's loader: the link-time stub.
-    _, notes = cuda_toolchain.link_libraries(
-        cuda_toolchain.cuda_home_of(environ),
-        python_lib,
-        [module],
-        kernels.directory / BUILD_FOLDER / "check-link",
-    )
-    libraries = [
-        kernels.directory / BUILD_FOLDER / "check-link",
-        *cuda_toolchain.nvidia_lib_dirs(python_lib),
-    ]
-    path_without_ninja = os.pathsep.join(
-        p for p in environ.get("PATH", "").split(os.pathsep) if not (Path(p) / "ninja").exists()
-    )
-    env = {
-        **environ,
-        **kernels.environment(),
-        "PATH": path_without_ninja,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(site), environ.get("PYTHONPATH")])),
-        "LD_LIBRARY_PATH": os.pathsep.join(
-            filter(None, [*map(str, libraries), environ.get("LD_LIBRARY_PATH")])
-        ),
-        "FLASHINFER_CUDA_ARCH_LIST": environ.get("FLASHINFER_CUDA_ARCH_LIST", ARCH_LIST),
-    }
-    source = str(Path(__file__).resolve().parents[2])
-    checked = []
-    before = kernel_cache.snapshot(env)
-    for name, (dtypes, block_scale) in CHECKED_PATHS.items():
-        request = {"module": MODULE, "dtypes": dtypes, "block_scale": block_scale}
-        done = subprocess.run(
-            [python, "-c", _CHECK, json.dumps(request), source],
-            capture_output=True,
-            text=True,
-            env=env,
-            check=False,
-        )
-        found: dict[str, dict[str, Any] | None] = {
-            "GLM5-AOT-CHECK ": None,
-            "GLM5-AOT-LOADED ": None,
-        }
-        for line in done.stdout.splitlines():
-            for prefix in found:
-                if line.startswith(prefix):
-                    found[prefix] = json.loads(line.removeprefix(prefix))
-        tail = "\n".join(done.stderr.strip().splitlines()[-5:])
-        checked.append(
-            Checked(
-                name, done.returncode, found["GLM5-AOT-CHECK "], found["GLM5-AOT-LOADED "], tail
-            )
-        )
-    return checked, kernel_cache.written(before, kernel_cache.snapshot(env)), notes
+    def object_records(self) -> list[dict[str, Any]]:
+        seconds = _ninja_log(self.ninja_file.parent)
+        return [
+            {
+                "object": obj.name,
+                "source": self.edges[str(obj)][1],
+                "rule": self.edges[str(obj)][0],
+                "seconds": seconds.get(str(obj)),
+                "bytes": obj.stat().st_size,
+                "sha256": cuda_toolchain.sha256(obj),
+                "compiled_now": self.before.get(obj) != obj.stat().st_mtime_ns,
+            }
+            for obj in self.objects
+        ]
 
 
-def build_module(
+def _compile(
     kernels: KernelCache,
     python: str,
+    module: str,
+    variant: str,
+    sources: Sequence[str] | None,
     *,
-    shapes: Sequence[trtllm_deepgemm.MoeShape] = (),
     jobs: int,
-    niceness: int = 10,
-    environ: Mapping[str, str] | None = None,
-) -> Built:
-    """Compile FlashInfer's fused_moe_90 narrowed to FP8_BLOCK_SCALE_SOURCES with `python`'s
-    FlashInfer and put the .so and its build.json into the key folder (module doc), then the
-    DeepGEMM kernels the module compiles at run time for the MoE `shapes` into the
-    trtllm_deep_gemm library."""
-    environ = dict(os.environ if environ is None else environ)
-    start = time.monotonic()
-    build = kernels.directory / BUILD_FOLDER / f"{MODULE}-{VARIANT}"
+    niceness: int,
+    environ: Mapping[str, str],
+) -> _Compiled:
+    """FlashInfer's generator writes `module`'s build.ninja in the key folder's build folder;
+    ninja compiles the objects, then the link, with what this machine's toolkit lacks added."""
+    build = kernels.directory / BUILD_FOLDER / f"{module}-{variant}"
     build.mkdir(parents=True, exist_ok=True)
     env = _interpreter_environment(environ, build)
     cuda_home = cuda_toolchain.cuda_home_of(env)
@@ -587,7 +478,7 @@ def build_module(
     includes, notes = cuda_toolchain.toolkit_headers(cuda_home, python_lib)
     for variable in ("FLASHINFER_EXTRA_CFLAGS", "FLASHINFER_EXTRA_CUDAFLAGS"):
         env[variable] = " ".join(filter(None, (env.get(variable, ""), *includes)))
-    request = {"build_dir": str(build), "module": MODULE, "sources": list(FP8_BLOCK_SCALE_SOURCES)}
+    request = {"build_dir": str(build), "module": module, "sources": sources}
     # First the objects (ninja on their targets), then what the link needs, then the link.
     generated = _run_driver(python, env, request)
     ninja_file = Path(generated["ninja_file"])
@@ -608,22 +499,99 @@ def build_module(
     missing = cuda_toolchain.missing_symbols(
         library, env, [build / "link", *cuda_toolchain.nvidia_lib_dirs(python_lib)]
     )
-    named = cuda_toolchain.demangle(missing)
-    own = path_symbols(named)
+    return _Compiled(
+        build,
+        generated,
+        ninja_file,
+        edges,
+        objects,
+        before,
+        library,
+        cuda_toolchain.demangle(missing),
+        notes,
+        env,
+    )
+
+
+def _install(kernels: KernelCache, compiled: _Compiled, record: dict[str, Any]) -> Built:
+    """The linked module and its build.json into the key folder's flashinfer_aot/<module>/."""
+    module = record["module"]
+    target = library_folder(kernels) / module
+    target.mkdir(parents=True, exist_ok=True)
+    staging = target / f".{module}.so.{os.getpid()}.tmp"
+    shutil.copy2(compiled.library, staging)
+    os.replace(staging, target / f"{module}.so")
+    record["bytes"] = (target / f"{module}.so").stat().st_size
+    record["sha256"] = cuda_toolchain.sha256(target / f"{module}.so")
+    write_json_atomic(target / BUILD_RECORD, record)
+    return Built(target / f"{module}.so", record)
+
+
+def _record(
+    compiled: _Compiled, kernels: KernelCache, variant: str, started: float
+) -> dict[str, Any]:
+    cuda_home = cuda_toolchain.cuda_home_of(compiled.env)
+    return {
+        "module": Path(compiled.library).stem,
+        "variant": variant,
+        "target": TARGET,
+        "flashinfer_version": compiled.generated["flashinfer_version"],
+        "key": kernels.key,
+        "module_sources": compiled.generated["module_sources"],
+        "generated_sources_left_out": compiled.generated["generated_sources"],
+        "objects": compiled.object_records(),
+        "build_ninja": compiled.ninja_file.read_text(),
+        "toolchain_notes": compiled.notes,
+        "tools": cuda_toolchain.tool_versions(compiled.env, cuda_home),
+        "missing_symbols": compiled.missing,
+        "wall_s": round(time.monotonic() - started, 1),
+    }
+
+
+def build_module(
+    kernels: KernelCache,
+    python: str,
+    *,
+    gemms: Sequence[trtllm_deepgemm.Gemm] = (),
+    jobs: int,
+    niceness: int = 10,
+    environ: Mapping[str, str] | None = None,
+) -> Built:
+    """Compile FlashInfer's fused_moe_90 narrowed to FP8_BLOCK_SCALE_SOURCES with `python`'s
+    FlashInfer and put the .so and its build.json into the key folder (module doc), then the
+    DeepGEMM kernels FlashInfer compiles at run time for `gemms` (the MoE's and the dense fp8
+    linears') into the trtllm_deep_gemm library."""
+    environ = dict(os.environ if environ is None else environ)
+    start = time.monotonic()
+    compiled = _compile(
+        kernels,
+        python,
+        MODULE,
+        VARIANT,
+        FP8_BLOCK_SCALE_SOURCES,
+        jobs=jobs,
+        niceness=niceness,
+        environ=environ,
+    )
+    own = path_symbols(compiled.missing)
     if own:
         raise UserError(
-            f"{library}: the fp8 block-scale path's own symbols are undefined ({own[0]}, "
+            f"{compiled.library}: the fp8 block-scale path's own symbols are undefined ({own[0]}, "
             f"{len(own)} in all): FlashInfer's sources changed; the source list needs them"
         )
-    seconds = _ninja_log(ninja_file.parent)
+    cuda_home = cuda_toolchain.cuda_home_of(compiled.env)
+    python_lib = cuda_toolchain.site_packages(python, compiled.env)
+    build = compiled.build
+    vllm = compiled.generated.get("vllm")
     deepgemm = (
         trtllm_deepgemm.build_deepgemm(
             kernels,
             build,
-            shapes,
-            csrc=Path(generated["csrc"]),
-            objects=objects,
-            env=env,
+            gemms,
+            csrc=Path(compiled.generated["csrc"]),
+            vllm=Path(vllm) if vllm else None,
+            objects=compiled.objects,
+            env=compiled.env,
             cuda_home=cuda_home,
             library_paths=[
                 build / "link",
@@ -633,58 +601,56 @@ def build_module(
             jobs=jobs,
             niceness=niceness,
         )
-        if shapes
+        if gemms
         else []
     )
-    record = {
-        "module": MODULE,
-        "variant": VARIANT,
-        "target": TARGET,
-        "flashinfer_version": generated["flashinfer_version"],
-        "key": kernels.key,
-        "module_sources": generated["module_sources"],
-        "generated_sources_left_out": generated["generated_sources"],
-        "objects": [
-            {
-                "object": obj.name,
-                "source": edges[str(obj)][1],
-                "rule": edges[str(obj)][0],
-                "seconds": seconds.get(str(obj)),
-                "bytes": obj.stat().st_size,
-                "sha256": cuda_toolchain.sha256(obj),
-                "compiled_now": before.get(obj) != obj.stat().st_mtime_ns,
-            }
-            for obj in objects
-        ],
-        "build_ninja": ninja_file.read_text(),
-        "toolchain_notes": notes,
-        "tools": cuda_toolchain.tool_versions(env, cuda_home),
-        "missing_symbols": named,
-        "deepgemm_shapes": [dataclasses.asdict(shape) for shape in shapes],
-        "deepgemm_kernels": deepgemm,
-        "wall_s": round(time.monotonic() - start, 1),
-    }
-    record["generated_sources"] = place_generated(kernels, generated)
-    target = library_folder(kernels) / MODULE
-    target.mkdir(parents=True, exist_ok=True)
-    staging = target / f".{MODULE}.so.{os.getpid()}.tmp"
-    shutil.copy2(library, staging)
-    os.replace(staging, target / f"{MODULE}.so")
-    record["bytes"] = (target / f"{MODULE}.so").stat().st_size
-    record["sha256"] = cuda_toolchain.sha256(target / f"{MODULE}.so")
-    write_json_atomic(target / BUILD_RECORD, record)
-    return Built(target / f"{MODULE}.so", record)
+    record = _record(compiled, kernels, VARIANT, start)
+    record["deepgemm_gemms"] = [dataclasses.asdict(gemm) for gemm in gemms]
+    record["deepgemm_sms"] = list(trtllm_deepgemm.DEEPGEMM_SMS)
+    record["deepgemm_kernels"] = deepgemm
+    record["wall_s"] = round(time.monotonic() - start, 1)
+    record["generated_sources"] = place_generated(kernels, compiled.generated)
+    return _install(kernels, compiled, record)
 
 
-def exported(record: Mapping[str, Any]) -> list[str]:
-    """What build-moe exports (archive names' prefixes): the AOT module, the DeepGEMM kernels
-    it compiled, and the generated sources FlashInfer looks for at load."""
-    kernels = [f"trtllm_deep_gemm/cache/{k['name']}/" for k in record.get("deepgemm_kernels", [])]
-    return [
-        f"flashinfer_aot/{record['module']}/",
-        *kernels,
-        f"{record['generated_sources']}/",
-    ]
+def build_utils_module(
+    kernels: KernelCache,
+    python: str,
+    *,
+    jobs: int,
+    niceness: int = 10,
+    environ: Mapping[str, str] | None = None,
+) -> Built:
+    """Compile FlashInfer's trtllm_utils whole (its 5 sources: the autotuner's delay kernel and
+    4 common files) and put it into the key folder beside fused_moe_90. FlashInfer's autotuner
+    loads it at each engine start that tunes (flashinfer/autotuner/autotuner.py imports
+    delay_kernel; flashinfer/tllm_utils.py: gen_trtllm_utils_module().build_and_load()), which
+    the provider turns into a load of this .so instead of a JIT build of 5 objects."""
+    environ = dict(os.environ if environ is None else environ)
+    start = time.monotonic()
+    compiled = _compile(
+        kernels, python, UTILS_MODULE, "whole", None, jobs=jobs, niceness=niceness, environ=environ
+    )
+    if compiled.missing:
+        raise UserError(
+            f"{compiled.library}: built from all of its sources, it leaves "
+            f"{len(compiled.missing)} symbol(s) undefined ({compiled.missing[0]})"
+        )
+    return _install(kernels, compiled, _record(compiled, kernels, "whole", start))
+
+
+def exported(records: Sequence[Mapping[str, Any]]) -> list[str]:
+    """What build-moe exports (archive names' prefixes): the AOT modules, the DeepGEMM kernels
+    compiled for them, and the generated sources FlashInfer looks for at load."""
+    prefixes: list[str] = []
+    for record in records:
+        prefixes.append(f"flashinfer_aot/{record['module']}/")
+        prefixes += [
+            f"trtllm_deep_gemm/cache/{k['name']}/" for k in record.get("deepgemm_kernels", [])
+        ]
+        if record.get("generated_sources"):
+            prefixes.append(f"{record['generated_sources']}/")
+    return prefixes
 
 
 def place_generated(kernels: KernelCache, generated: Mapping[str, str]) -> str:

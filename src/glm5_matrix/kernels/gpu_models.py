@@ -270,7 +270,8 @@ def check(
         error=(
             f"kernel cache {kernels.directory.name} was warmed on {record.describe()}, not on "
             f"this GPU ({shown}): its first engine start would compile what the cache keys by "
-            f"GPU model (inductor, Triton autotuning); run `nox -s warm -- {cell}` here first "
+            "GPU model (inductor, Triton autotuning) and measure what FlashInfer's autotuner "
+            f"keeps per GPU model; run `nox -s warm -- {cell}` here first "
             "(with --export FILE to add this model to the archive)"
         ),
         missing=missing,

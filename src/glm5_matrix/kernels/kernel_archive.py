@@ -576,22 +576,30 @@ def _build_moe(args: argparse.Namespace) -> int:
         raise UserError(f"{Path(args.export).parent}: folder not found")
     from glm5_matrix.matrix.profiles import load_profile
 
-    shapes = trtllm_deepgemm.moe_shapes(load_profile(args.profile).config(), args.tp or [1, 2, 4])
+    config = load_profile(args.profile).config()
+    tps = args.tp or [1, 2, 4]
+    gemms = [*trtllm_deepgemm.moe_gemms(config, tps), *trtllm_deepgemm.dense_gemms(config, tps)]
     kernels = kernel_cache.for_interpreter(_interpreter(args), arch=args.gpu_arch)
     print(f"kernel cache {kernels.describe()}")
-    built = flashinfer_aot.build_module(
-        kernels, _interpreter(args), shapes=shapes, jobs=args.jobs, niceness=args.nice
-    )
-    print(f"built {built.describe()}")
-    for note in built.record["toolchain_notes"]:
-        print(f"  toolchain: {note}")
+    built = [
+        flashinfer_aot.build_module(
+            kernels, _interpreter(args), gemms=gemms, jobs=args.jobs, niceness=args.nice
+        ),
+        flashinfer_aot.build_utils_module(
+            kernels, _interpreter(args), jobs=args.jobs, niceness=args.nice
+        ),
+    ]
+    for module in built:
+        print(f"built {module.describe()}")
+        for note in module.record["toolchain_notes"]:
+            print(f"  toolchain: {note}")
     if args.export:
         done = export_archive(
             kernels,
             Path(args.export),
             compression=args.compression,
             libraries=["flashinfer_aot", "trtllm_deep_gemm", "flashinfer"],
-            prefixes=flashinfer_aot.exported(built.record),
+            prefixes=flashinfer_aot.exported([b.record for b in built]),
         )
         print(f"exported {kernels.directory.name}: {done.describe()}")
         print("written: " + " ".join(str(p) for p in done.written))
@@ -599,13 +607,14 @@ def _build_moe(args: argparse.Namespace) -> int:
 
 
 def _check_moe(args: argparse.Namespace) -> int:
-    from glm5_matrix.kernels import flashinfer_aot
+    from glm5_matrix.kernels import aot_check, flashinfer_aot, trtllm_deepgemm
 
     kernels = kernel_cache.for_interpreter(_interpreter(args), create=False, arch=args.gpu_arch)
     failed = False
-    results, written, notes = flashinfer_aot.check_module(kernels, _interpreter(args))
+    results, written, notes = aot_check.check_module(kernels, _interpreter(args))
     for note in notes:
         print(f"loader: {note}")
+    utils = flashinfer_aot.library_folder(kernels) / flashinfer_aot.UTILS_MODULE
     for checked in results:
         loaded = checked.loaded or {}
         print(f"{checked.path}: FlashInfer's AOT artifacts {loaded.get('artifacts')}")
@@ -620,6 +629,12 @@ def _check_moe(args: argparse.Namespace) -> int:
         )
         if not loaded_ours:  # FlashInfer built instead (its build raises here) or loaded another
             failed = True
+        if checked.path == "fp8-block-scale" and checked.loaded is not None:
+            mapped = loaded.get("utils_mapped") or []
+            print(f"  {flashinfer_aot.UTILS_MODULE}: mapped {mapped}")
+            if not mapped or not all(m.startswith(str(utils)) for m in mapped):
+                print(f"  expected: the autotuner's entry loads the kernel cache's {utils.name}")
+                failed = True
         if checked.path == "fp8-block-scale" and (checked.result is None or checked.returncode):
             print("  expected: the block-scale runner made (or stopped at its first CUDA call)")
             failed = True
@@ -629,6 +644,16 @@ def _check_moe(args: argparse.Namespace) -> int:
                 failed = True
             else:
                 print(f"  {checked.symbol_error()}")
+    record = flashinfer_aot.build_record(kernels) or {}
+    gemms = trtllm_deepgemm.gemms_of_record(record)
+    asked, absent = trtllm_deepgemm.absent_kernels(kernels, gemms)
+    tps = sorted({g.tp for g in gemms})
+    print(
+        f"DeepGEMM kernels a start asks for ({len(gemms)} GEMM shapes of the build's model at TP "
+        f"{tps}, on {list(trtllm_deepgemm.DEEPGEMM_SMS)} SMs): {len(asked)}, "
+        + (f"{len(absent)} not in the cache: {', '.join(absent[:4])}" if absent else "all cached")
+    )
+    failed = failed or bool(absent) or not gemms
     counted = {name: paths for name, paths in written.items() if paths}
     print(f"kernel files written into {kernels.directory}: {counted or 'none'}")
     return 1 if failed or counted else 0
@@ -669,15 +694,17 @@ def register(subparsers: Any) -> None:
     narrow.set_defaults(func=_narrow_deps)
     moe = actions.add_parser(
         "build-moe",
-        help="compile FlashInfer's SM90 CUTLASS MoE module for the fp8 block-scale path, off "
-        "the GPU, into the kernel cache (see kernels/flashinfer_aot.py)",
+        help="compile, off the GPU, what a start of the profile's engine would compile of "
+        "FlashInfer: its SM90 CUTLASS MoE module for the fp8 block-scale path, trtllm_utils, and "
+        "the DeepGEMM kernels of the MoE and the dense fp8 linears, into the kernel cache (see "
+        "docs/flashinfer-moe.md)",
     )
     moe.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="ninja's -j")
     moe.add_argument("--nice", type=int, default=10, help="niceness of the compile (0: none)")
     moe.add_argument(
         "--profile",
         default="glm-5.3-flash-4l",
-        help="the model whose MoE shapes get DeepGEMM kernels (default glm-5.3-flash-4l)",
+        help="the model whose GEMM shapes get DeepGEMM kernels (default glm-5.3-flash-4l)",
     )
     moe.add_argument(
         "--tp", type=int, action="append", help="a TP size of those shapes (default 1, 2, 4)"
@@ -687,7 +714,8 @@ def register(subparsers: Any) -> None:
     check = actions.add_parser(
         "check-moe",
         help="prove, without a GPU, that FlashInfer loads the kernel cache's fused_moe_90 and "
-        "builds nothing, and that a path it leaves out ends naming the symbol",
+        "trtllm_utils and builds nothing, that a path it leaves out ends naming the symbol, and "
+        "that every DeepGEMM kernel the build's GEMMs ask for is cached",
     )
     for sub, func in (
         (show, _show),

@@ -53,8 +53,30 @@ def guard_enabled(environ: Mapping[str, str] | None = None) -> bool:
     return hardware.strict(dict(environ))
 
 
+# Results of tuners that time their candidates on the GPU, per library (paths under its folder):
+# FlashInfer's managed autotune store, <workspace>/.cache/flashinfer/autotune/v2/<environment
+# hash>/ (flashinfer/autotuner/autotuner.py, one engine rank: vLLM's use_flashinfer_autotune_v2),
+# and vLLM's own files of it for several ranks (vllm/model_executor/warmup/
+# flashinfer_autotune_cache.py). Keyed by the GPU model: no build off the GPU can make them.
+GPU_MEASURED = {
+    "flashinfer": (".cache/flashinfer/autotune/",),
+    "vllm": ("flashinfer_autotune_cache/",),
+}
+
+
+def gpu_measured(changed: Mapping[str, list[str]]) -> int:
+    """How many of the files are results a tuner measured on this GPU model (GPU_MEASURED)."""
+    return sum(
+        1
+        for name, paths in changed.items()
+        for path in paths
+        if any(path.startswith(prefix) for prefix in GPU_MEASURED.get(name, ()))
+    )
+
+
 def describe_written(changed: Mapping[str, list[str]], where: str, shown: int = 4) -> str:
-    """One line naming what was compiled: per library, how many files and the first few."""
+    """One line naming what was compiled: per library, how many files and the first few, and
+    what to run: the warm step, on this GPU model when tuners measured something here."""
     parts = []
     for name, paths in sorted(changed.items()):
         if not paths:
@@ -63,10 +85,18 @@ def describe_written(changed: Mapping[str, list[str]], where: str, shown: int = 
             f", ... {len(paths) - shown} more" if len(paths) > shown else ""
         )
         parts.append(f"{name}: {len(paths)} file(s) ({listed})")
+    measured = gpu_measured(changed)
+    advice = (
+        f" -- {measured} of them autotune results FlashInfer measured on this GPU model, which no "
+        "build off the GPU makes: run `nox -s warm -- CELL` on this GPU model first (with "
+        "--export FILE, the archive records the model)"
+        if measured
+        else " -- run `nox -s warm -- CELL` on this machine first"
+    )
     return (
         f"kernels compiled after the warm-up during {where} ({GUARD_VARIABLE} is on): "
         + "; ".join(parts)
-        + " -- run `nox -s warm -- CELL` on this machine first"
+        + advice
     )
 
 

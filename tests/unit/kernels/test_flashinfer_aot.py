@@ -190,3 +190,36 @@ def test_a_start_is_refused_when_flashinfer_would_not_take_the_kernel_caches_mod
     _flashinfer_resolving_to(ours, flashinfer_aot.PROVIDER_ID, str(so))
     monkeypatch.setenv("PYTHONPATH", str(ours))
     assert flashinfer_aot.refuse_unless_resolved() == so
+
+
+def test_the_provider_lists_trtllm_utils_beside_fused_moe_90(tmp_path: Path) -> None:
+    """build-moe puts FlashInfer's trtllm_utils (the autotuner's delay kernel) beside the MoE
+    module: the one provider lists both, so neither is built at a start."""
+    kernels = _cache(tmp_path)
+    _module(kernels)
+    _module(kernels, flashinfer_aot.UTILS_MODULE)
+    site = tmp_path / "site"
+    line = flashinfer_aot.activate(kernels, sys.executable, {}, site)
+    assert line is not None and "trtllm_utils" in line and "fused_moe_90" in line
+    read = subprocess.run(
+        [sys.executable, "-c", READ],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(site)},
+        check=True,
+    )
+    assert json.loads(read.stdout)["modules"] == ["fused_moe_90", "trtllm_utils"]
+
+
+def test_build_moe_exports_both_modules_their_kernels_and_the_generated_sources() -> None:
+    moe = {
+        "module": "fused_moe_90",
+        "deepgemm_kernels": [{"name": "gemm_swapAB_4096_2048_128_16_128_1_81_8_1_Normal"}],
+        "generated_sources": "flashinfer/.cache/flashinfer/0.7.2.post1/90a/generated/x",
+    }
+    assert flashinfer_aot.exported([moe, {"module": "trtllm_utils"}]) == [
+        "flashinfer_aot/fused_moe_90/",
+        "trtllm_deep_gemm/cache/gemm_swapAB_4096_2048_128_16_128_1_81_8_1_Normal/",
+        "flashinfer/.cache/flashinfer/0.7.2.post1/90a/generated/x/",
+        "flashinfer_aot/trtllm_utils/",
+    ]

@@ -265,3 +265,30 @@ def test_jit_monitor_mode_needs_the_guard(monkeypatch: pytest.MonkeyPatch) -> No
         assert kernel_guard.jit_monitor_mode(False) is None
     else:
         assert kernel_guard.jit_monitor_mode(False) == "error"
+
+
+def test_autotune_results_measured_on_the_gpu_point_at_the_warm_step_on_this_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """FlashInfer's autotuner writes what it measured per GPU model (the first H100 run's
+    flashinfer start: 43 entries and a manifest naming the GPU under autotune/v2/<hash>/): no
+    build off the GPU makes them, so the line says to warm on this GPU model."""
+    monkeypatch.setenv(kernel_guard.GUARD_VARIABLE, "1")
+    entries = [
+        f".cache/flashinfer/autotune/v2/8ad65a9be513f4ab/entries/{i:024x}.json" for i in range(3)
+    ]
+    changed = {
+        "flashinfer": [*entries, ".cache/flashinfer/0.7.2.post1/90a/cached_ops/trtllm_utils/x.o"],
+        "vllm": ["flashinfer_autotune_cache/abc/autotune_configs_dp0_rank1.json"],
+    }
+    assert kernel_guard.gpu_measured(changed) == 4
+    with pytest.raises(kernel_guard.KernelCompiled) as raised:
+        kernel_guard.refuse_compiled(changed, "the start of engine e")
+    message = str(raised.value)
+    assert "4 of them autotune results FlashInfer measured on this GPU model" in message
+    assert "`nox -s warm -- CELL` on this GPU model first" in message
+    # A compile that a build off the GPU could have made keeps the plain advice.
+    with pytest.raises(kernel_guard.KernelCompiled) as raised:
+        kernel_guard.refuse_compiled({"flashinfer": changed["flashinfer"][3:]}, "x")
+    assert "on this machine first" in str(raised.value)
+    assert "measured" not in str(raised.value)
