@@ -111,9 +111,10 @@ class Interrupted(Exception):
     """A cell run stopped because the mutants run was (Stop)."""
 
 
-# How long a stopped cell gets to end (its nox waits for its own descendants that long), before
-# it is killed.
-STOP_WAIT_S = supervision.WAIT_ALL_S + supervision.KILL_AFTER_S
+# How long a stopped cell gets to end before it is killed: its supervision's teardown (GRACE_S,
+# then SIGTERM and SIGKILL) fits, and the record is written before `nox -s mutants`'s own nox,
+# which waits WAIT_ALL_S for every descendant, kills what is left, this process among them.
+STOP_WAIT_S = supervision.WAIT_ALL_S - 2 * supervision.KILL_AFTER_S
 
 
 @dataclass(frozen=True)
