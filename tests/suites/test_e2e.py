@@ -5,6 +5,7 @@ The `cell` and `profile` fixtures come from tests/suites/conftest.py."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Iterator
@@ -16,18 +17,26 @@ from glm5_matrix.engines.client import (
     Engine,
     block_size_of,
     groups_of,
+    recorded_id,
     resolve_class,
     spec_classes,
     spec_names,
 )
-from glm5_matrix.engines.engine_configs import e2e_specs, moe_reference_spec
+from glm5_matrix.engines.engine_configs import (
+    PREFIX_SCENARIOS_TP,
+    e2e_specs,
+    eviction_spec,
+    moe_reference_spec,
+    prefix_table,
+    retention_spec,
+)
 from glm5_matrix.engines.prompts import with_other_tokens
 from glm5_matrix.engines.specs import engine_spec
 from glm5_matrix.kernels import flashinfer_aot
 from glm5_matrix.matrix.context import CellContext
 from glm5_matrix.matrix.profiles import Profile
 from glm5_matrix.results.recorder import record_figure
-from glm5_matrix.verdicts import chunks, compare, judging, served
+from glm5_matrix.verdicts import bitwise, chunks, compare, judging, retention, served
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("no_surviving_children")]
 
@@ -694,6 +703,521 @@ def test_prefix_hit_starts_from_the_checkpoint(
         print(f"control (another layer's checkpoint) rejected: {control.value}")
 
 
+# --- prefix caching as users serve it (docs/prefix-caching.md) ---------------------------------
+
+
+def _prefix_table(cell: CellContext, profile: Profile, part: str | None = None) -> dict[str, Any]:
+    """The profile's [prefix] table (or its `part`); the test skips where there is none, and at
+    a TP size the scenarios do not run at (engine_configs.PREFIX_SCENARIOS_TP)."""
+    if (cell.tp or 1) not in PREFIX_SCENARIOS_TP:
+        pytest.skip(f"the prefix scenarios run at TP {list(PREFIX_SCENARIOS_TP)} (rank 0 read)")
+    table = prefix_table(profile)
+    if not table or (part is not None and not table.get(part)):
+        where = "[prefix]" if part is None else f"[prefix.{part}]"
+        pytest.skip(f"profile {profile.name} has no {where} table (the prefix-caching scenarios)")
+    return table if part is None else dict(table[part])
+
+
+def _mamba_layers(profile: Profile, layout: dict[str, Any]) -> dict[int, list[str]]:
+    """{KV group index: its layers} of the Mamba groups."""
+    mamba = _groups_of(layout, profile.section("expect")["mamba_spec"])
+    groups = {layout["groups"].index(g): list(g["layer_names"]) for g in mamba}
+    assert groups, "no Mamba group: nothing is served from a checkpoint"
+    return groups
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """One request run alone, as the worker's recorders saw it: its output, the steps it
+    computed ([first position, tokens] each) and its last block table."""
+
+    output: Any
+    steps: list[list[int]]
+    table: list[list[int]]
+
+
+def _run_alone(engine: Engine, prompt: list[int], max_tokens: int, reset: bool = False) -> _Run:
+    """`prompt` as the only request (from an empty prefix cache with `reset`), scored."""
+    if reset:
+        assert engine.reset_prefix_cache(), "reset_prefix_cache() refused"
+    engine.recorded_block_tables(clear=True)
+    engine.recorded_chunks(clear=True)
+    output = engine.generate_scored(prompt, max_tokens, TOP_LOGPROBS)
+    (steps,) = engine.recorded_chunks(clear=True).values()
+    (history,) = engine.recorded_block_tables(clear=True).values()
+    return _Run(output, [list(s) for s in steps], history[-1])
+
+
+@dataclasses.dataclass(frozen=True)
+class _State:
+    """Every Mamba layer's state after `boundary` tokens where a block table kept it: the block
+    per layer, the digests of its bytes, and its pages."""
+
+    boundary: int
+    blocks: dict[str, int]
+    digests: dict[str, tuple[str, ...]]
+    pages: dict[str, list[Any]]
+
+
+def _state(
+    engine: Engine, table: list[list[int]], groups: dict[int, list[str]], boundary: int, block: int
+) -> _State:
+    """The state after `boundary` tokens in a request's block table, located by the harness:
+    column boundary // block - 1 of each Mamba group (align mode keeps the state after
+    (p + 1) x block tokens in column p)."""
+    column = boundary // block - 1
+    reads = []
+    for index, layers in groups.items():
+        block_id = table[index][column]
+        assert block_id != _null_block_id(), (
+            f"group {index}: no state kept at token {boundary} (column {column} is the null "
+            f"block; block table {table[index]})"
+        )
+        reads += [(layer, int(block_id)) for layer in layers]
+    digests = engine.page_digests(reads)
+    pages = engine.read_pages(reads)
+    return _State(
+        boundary,
+        dict(reads),
+        {layer: tuple(d) for (layer, _), d in zip(reads, digests, strict=True)},
+        {layer: p for (layer, _), p in zip(reads, pages, strict=True)},
+    )
+
+
+def _check_served_state(
+    name: str,
+    entry: dict[str, Any],
+    checkpoint: _State,
+    cold: _State,
+    layout: dict[str, Any],
+    groups: dict[int, list[str]],
+    profile: Profile,
+    deterministic: bool,
+) -> None:
+    """The state a request started from after its hit (`entry`, the served-state recorder's,
+    read in the worker as the model is about to run): the checkpoint vLLM kept there, read from
+    the request that wrote it before the hit, bit for bit (a copy); and that checkpoint against
+    the state a cold run computes at the boundary along the path that wrote it (`cold`): bit
+    for bit where the build is deterministic (its cold runs were, in this run), else within the
+    profile's checkpoint_page_rel. The control, every layer against another layer's
+    checkpoint, must be rejected."""
+    sizes = {str(index): int(layout["groups"][index]["block_size"]) for index in groups}
+    result = served.check_served(entry, checkpoint.digests, checkpoint.boundary, sizes)
+    print(f"{name}: {result.describe()}")
+    record_figure(f"{name}.served_layers_equal", result.layers, limit=0, relation=">")
+    equal = sum(cold.digests[layer] == checkpoint.digests[layer] for layer in cold.digests)
+    record_figure(f"{name}.checkpoint_equal_cold_layers", equal, unit="layers")
+    if deterministic:
+        served.check_served(entry, cold.digests, cold.boundary, sizes)
+        print(f"{name}: and equal to a cold run's state at {cold.boundary}, bit for bit")
+    else:
+        tolerance = profile.tolerances().needed("checkpoint_page_rel")
+        errors = compare.check_checkpoint_pages(checkpoint.pages, cold.pages, tolerance)
+        worst = max(e for per_state in errors.values() for e in per_state)
+        record_figure(f"{name}.checkpoint_cold_rel_error", worst, limit=tolerance, relation="<=")
+    layers = sorted(checkpoint.digests)
+    if len(layers) > 1:
+        shifted = {
+            layer: checkpoint.digests[layers[(i + 1) % len(layers)]]
+            for i, layer in enumerate(layers)
+        }
+        with pytest.raises(AssertionError, match="other bytes"):
+            served.check_served(entry, shifted, checkpoint.boundary, sizes)
+
+
+def _same_path(cold: list[list[int]], run: list[list[int]], tokens: int, block: int) -> bool:
+    """Whether `run` (served from a hit) computed from the hit on what its cold reference did
+    (glm5_matrix.verdicts.chunks.check_repeat_path)."""
+    try:
+        chunks.check_repeat_path(
+            chunks.prefill_chunks(cold, tokens), chunks.prefill_chunks(run, tokens), tokens, block
+        )
+    except AssertionError as other:
+        print(f"served along another path than the cold reference: {other}")
+        return False
+    return True
+
+
+def _judge_output(
+    engine: Engine,
+    name: str,
+    prompt: list[int],
+    runs: list[Any],
+    run: Any,
+    same_path: bool,
+    boundary: int,
+    block: int,
+    profile: Profile,
+) -> None:
+    """`run` against `runs` (its tokens cold, reference_repeats times) by the suites' rule.
+    Along the cold reference's own path the prefill step and the whole run agree under the
+    noise, and bit for bit where the cold runs themselves were; the control, the prompt with the
+    tokens before `boundary` drawn anew (what a stale cached prefix amounts to), is rejected at
+    the prefill step with the profile's min_power. Along another path (the state a decode wrote,
+    not a prefill: other arithmetic) greedy decoding is judged by its tokens while the
+    reference is decisive, its logprob differences recorded; the control takes the reference's
+    runner-up at a decisive step and is rejected by its token."""
+    tolerances = profile.tolerances()
+    max_tokens = len(runs[0].token_ids)
+    whole = judging.repeated(name, runs, "cold", tolerances)
+    cold = runs[0]
+    if not same_path:
+        whole.tokens_agree(cold, run, ("cold", "served"), along_path=True)
+        control = judging.runner_up_control(engine, prompt, max_tokens, cold, whole)
+        whole.rejects_by_token(cold, control, ("cold", "runner-up taken"))
+        return
+    prefill = judging.prefill_step(f"{name}_prefill", runs, "cold", tolerances, whole.floor.step)
+    prefill.agrees(judging.first_step(cold), judging.first_step(run), ("cold", "served"))
+    whole.agrees(cold, run, ("cold", "served"))
+    if bitwise.deterministic(runs):
+        bitwise.check_identical(cold, run, ("cold", "served"))
+    changed = round(tolerances.needed("control_changed_blocks") * block)
+    seed = int(profile.section("prompts")["seed"]) + 3
+    stale = with_other_tokens(prompt, boundary - changed, boundary, engine.vocab_size(), seed)
+    assert engine.reset_prefix_cache()
+    control = engine.generate_scored(stale, max_tokens, TOP_LOGPROBS)
+    prefill.rejects(judging.first_step(cold), judging.first_step(control), ("cold", "stale prefix"))
+
+
+@contextlib.contextmanager
+def _engine_in_mode(
+    engine: Engine, cell: CellContext, profile: Profile, mode: retention.Mode, block: int
+) -> Iterator[Engine]:
+    """The shared engine where it runs `mode`, else an engine of its own in that mode (its
+    retention and block read back from its workers)."""
+    if retention.Mode(engine.scheduler_limits()["prefix_cache_retention_interval"]) == mode:
+        yield engine
+        return
+    with Engine(retention_spec(cell, profile, mode.interval)) as other:
+        print(f"engine {other.spec.label} up in {other.start_seconds:.1f} s")
+        record_figure(
+            f"retention.{mode.name}.start_s", round(other.start_seconds or 0.0, 1), unit="s"
+        )
+        runs = retention.Mode(other.scheduler_limits()["prefix_cache_retention_interval"])
+        assert runs == mode, f"the engine runs {runs.describe()}, not {mode.describe()}"
+        assert block_size_of(other.kv_layout()) == block, "the mode's engine has another block"
+        yield other
+    assert not other.leftover_processes, f"killed after shutdown: {other.leftover_processes}"
+
+
+@pytest.mark.parametrize("mode_name", retention.MODES)
+def test_prefix_cache_retention(
+    mode_name: str, engine: Engine, cell: CellContext, profile: Profile, layout: dict[str, Any]
+) -> None:
+    """vLLM's prefix_cache_retention_interval decides which Mamba states stay cached: None
+    (dense) every one, 0 (semantic, vLLM's default) the replay boundary and shared-prefix
+    junctions, I > 0 (periodic) those and every multiple of I. One engine per mode (the shared
+    engine for vLLM's default), two scenarios each, the hits promised computed by the harness
+    (glm5_matrix.verdicts.retention) from the prompts, the steps the worker computed, the block
+    and the mode, never from vLLM's bookkeeping:
+    - a follow-up turn (request 2 = request 1's prompt, its greedy answer, new tokens) must be
+      served exactly the promised hit: semantic the replay boundary of request 1's prompt (a hit
+      that exists only because it is kept), periodic the last multiple of the interval its
+      answer's decode passed, dense the last boundary; the state it starts from equal to the
+      checkpoint, bit for bit, and to a cold run's state there; its output judged against its
+      tokens cold (test_e2e's rule: judging);
+    - a shared-prefix junction: requests A, B and C share a system prefix; B finds the prefix's
+      attention blocks cached but no Mamba state there (A kept none below its replay boundary),
+      pins the junction, and C must be served it (a hit that exists only because of the
+      junction) from B's checkpoint.
+    A hit short of the promise is a kept state not served; a longer one, a state the mode does
+    not keep (or a hit past the prompts' common prefix)."""
+    table = _prefix_table(cell, profile)
+    modes = list(table["retention_modes"])
+    if mode_name not in modes:
+        pytest.skip(
+            f"profile {profile.name} runs the retention modes {modes} (one engine at a time)"
+        )
+    block = block_size_of(layout)
+    mode = retention.mode_named(mode_name, block, table.get("periodic_blocks"))
+    if (
+        mode_name == retention.SEMANTIC
+        and "prefix_cache_retention_interval" not in engine.spec.args
+    ):
+        # The shared engine runs vLLM's default, which vLLM's CacheConfig documents as semantic.
+        default = retention.Mode(engine.scheduler_limits()["prefix_cache_retention_interval"])
+        record_figure("retention.vllm_default", default.describe())
+        assert default == mode, f"vLLM's default retention is {default.describe()}, not semantic"
+    with _engine_in_mode(engine, cell, profile, mode, block) as running:
+        deterministic = _follow_up_turn(running, profile, layout, mode, table)
+        _shared_prefix_junction(running, profile, layout, mode, deterministic)
+
+
+def _follow_up_turn(
+    engine: Engine,
+    profile: Profile,
+    layout: dict[str, Any],
+    mode: retention.Mode,
+    table: dict[str, Any],
+) -> bool:
+    """test_prefix_cache_retention's follow-up turn; returns whether the build was
+    deterministic (the follow-up's cold runs bitwise equal)."""
+    prompts = profile.section("prompts")
+    follow = dict(table["follow_up"])
+    block = block_size_of(layout)
+    groups = _mamba_layers(profile, layout)
+    name = f"follow_up.{mode.name}"
+    seed = int(prompts["seed"]) + 21
+    max_tokens = int(prompts["max_tokens"])
+    answer_tokens = int(follow["output_tokens"])
+    prompt = engine.random_prompt(round(float(follow["prompt_blocks"]) * block), seed)
+    engine.record_block_tables()  # and the steps each request computes
+    engine.record_served_states(groups)
+    first = _run_alone(engine, prompt, answer_tokens, reset=True)
+    answer = list(first.output.token_ids)
+    follow_up = prompt + answer + engine.random_prompt(int(follow["new_tokens"]), seed + 1)
+    states = retention.step_boundaries(first.steps, block)
+
+    def promised_in(other: retention.Mode) -> retention.Promise:
+        common = len(prompt) + len(answer)
+        return retention.promise(other, states, len(prompt), common, len(follow_up), block)
+
+    promised = promised_in(mode)
+    periodic = int(table.get("periodic_blocks") or 2)
+    by_mode = {
+        m: promised_in(retention.mode_named(m, block, periodic)).hit for m in retention.MODES
+    }
+    print(f"{name}: request 1's states at {sorted(states)}; {promised.describe()}")
+    record_figure(f"{name}.request1_states", sorted(states), unit="tokens")
+    record_figure(f"{name}.promised_by_mode", by_mode)
+    # The scenario tells the modes apart: the answer's decode passes boundaries semantic drops.
+    listed = [m for m in retention.MODES if m in table["retention_modes"]] + [retention.DENSE]
+    assert len({by_mode[m] for m in set(listed)}) == len(set(listed)), (
+        f"the follow-up promises {by_mode}: equal hits cannot tell the modes {sorted(set(listed))} "
+        "apart (lengthen [prefix.follow_up] output_tokens)"
+    )
+    assert promised.hit > 0, f"{name}: nothing promised, nothing to check"
+    checkpoint = _state(engine, first.table, groups, promised.hit, block)
+    engine.served_states(clear=True)
+    engine.recorded_chunks(clear=True)
+    run = engine.generate_scored(follow_up, max_tokens, TOP_LOGPROBS)
+    (run_steps,) = engine.recorded_chunks(clear=True).values()
+    engine.recorded_block_tables(clear=True)
+    record_figure(
+        f"{name}.hit", run.cached_tokens, limit=promised.hit, relation="==", unit="tokens"
+    )
+    retention.check_hit(run.cached_tokens, promised, f"{name}: the follow-up turn")
+    (entry,) = engine.served_states(clear=True).values()
+    # Its tokens cold (the noise; whether the build is deterministic), then the state at the hit
+    # as a cold run of request 1 computes it, along the path that wrote it (its prefill for a
+    # boundary within its prompt, its decode steps past it).
+    runs = judging.reference_runs(engine, follow_up, max_tokens, profile.tolerances())
+    cold_steps = chunks.prompt_runs(engine.recorded_chunks(clear=True), len(follow_up))
+    engine.recorded_block_tables(clear=True)
+    deterministic = bitwise.deterministic(runs)
+    record_figure(f"{name}.cold_runs_bitwise", deterministic)
+    within_prompt = promised.hit <= len(prompt)
+    replay = _run_alone(engine, prompt, 1 if within_prompt else answer_tokens, reset=True)
+    cold = _state(engine, replay.table, groups, promised.hit, block)
+    _check_served_state(name, entry, checkpoint, cold, layout, groups, profile, deterministic)
+    # Recorded, not judged: the checkpoint against a cold prefill of exactly its tokens (past
+    # the prompt another path: a chunked prefill, not decode steps).
+    prefill = _run_alone(engine, follow_up[: promised.hit], 1, reset=True)
+    prefilled = _state(engine, prefill.table, groups, promised.hit, block)
+    errors = [
+        compare.relative_error(a, b)
+        for layer in checkpoint.pages
+        for a, b in zip(checkpoint.pages[layer], prefilled.pages[layer], strict=True)
+    ]
+    record_figure(f"{name}.checkpoint_vs_prefill_rel_error", round(max(errors), 6))
+    same = _same_path(cold_steps[0], [list(s) for s in run_steps], len(follow_up), block)
+    record_figure(f"{name}.same_path_as_cold", same)
+    _judge_output(engine, name, follow_up, runs, run, same, promised.hit, block, profile)
+    return deterministic
+
+
+def _shared_prompts(
+    engine: Engine, table: dict[str, Any], block: int, seed: int, count: int, first: int = 0
+) -> tuple[list[int], list[list[int]]]:
+    """A system prefix of [prefix.shared] prefix_blocks and `count` prompts of it and a tail of
+    tail_blocks each; the tails part at their first token (token first + i for the i-th), so
+    that any two prompts share exactly the prefix."""
+    system = engine.random_prompt(round(float(table["prefix_blocks"]) * block), seed)
+    tails = [
+        engine.random_prompt(round(float(table["tail_blocks"]) * block), seed + 1 + i)
+        for i in range(count)
+    ]
+    for i, tail in enumerate(tails):
+        tail[0] = first + i
+    return system, [system + tail for tail in tails]
+
+
+def _shared_prefix_junction(
+    engine: Engine,
+    profile: Profile,
+    layout: dict[str, Any],
+    mode: retention.Mode,
+    deterministic: bool,
+) -> None:
+    """test_prefix_cache_retention's junction scenario (A, B, C sharing a system prefix)."""
+    shared = dict(prefix_table(profile)["shared"])
+    block = block_size_of(layout)
+    groups = _mamba_layers(profile, layout)
+    name = f"junction.{mode.name}"
+    seed = int(profile.section("prompts")["seed"]) + 31
+    system, (a, b, c) = _shared_prompts(engine, shared, block, seed, 3)
+    first = _run_alone(engine, a, 1, reset=True)
+    states_a = retention.step_boundaries(first.steps, block)
+    kept_a = retention.kept(mode, states_a, len(a), block)
+    promised_b = retention.promise(mode, states_a, len(a), len(system), len(b), block)
+    junction = retention.junction(len(system), len(b), promised_b.hit, block)
+    print(f"{name}: A keeps {sorted(kept_a)}; B: {promised_b.describe()}; junction {junction}")
+    assert junction > 0 and junction not in kept_a, (
+        f"{name}: the prefix's junction {junction} is no junction here (A keeps {sorted(kept_a)}): "
+        "the scenario needs a prefix whose block boundary lies below the prompts' replay boundary"
+    )
+    second = _run_alone(engine, b, 1)
+    record_figure(f"{name}.b_hit", second.output.cached_tokens, limit=promised_b.hit)
+    retention.check_hit(second.output.cached_tokens, promised_b, f"{name}: B after A")
+    # The scheduler ends a chunk at the junction (the state exists there only so): recorded.
+    record_figure(f"{name}.b_step_ends", [s + n for s, n in second.steps][:8])
+    kept_b = retention.kept(
+        mode, retention.step_boundaries(second.steps, block), len(b), block, [junction]
+    )
+    promised_c = retention.Promise(
+        retention.promised_hit(kept_a | kept_b, len(system), len(c), block),
+        tuple(sorted(kept_a | kept_b)),
+        retention.cacheable_prefix(len(system), len(c), block),
+        mode,
+    )
+    engine.served_states(clear=True)
+    third = _run_alone(engine, c, 1)
+    record_figure(f"{name}.c_hit", third.output.cached_tokens, limit=promised_c.hit, relation="==")
+    retention.check_hit(third.output.cached_tokens, promised_c, f"{name}: C after A and B")
+    (entry,) = engine.served_states(clear=True).values()
+    # B's state at the junction, where B's table keeps it (C's hit copied it, unchanged).
+    checkpoint = _state(engine, second.table, groups, junction, block)
+    # The state at the junction cold, along B's path: A, then B pinning the junction again.
+    _run_alone(engine, a, 1, reset=True)
+    again = _run_alone(engine, b, 1)
+    cold = _state(engine, again.table, groups, junction, block)
+    _check_served_state(name, entry, checkpoint, cold, layout, groups, profile, deterministic)
+
+
+def test_shared_prefix_under_load(
+    engine: Engine, cell: CellContext, profile: Profile, layout: dict[str, Any]
+) -> None:
+    """[prefix.shared] requests prompts of one system prefix and distinct tails, all at once, in
+    two waves. The first, from an empty cache, is served nothing or the prefix's junction (the
+    one boundary all of them share: whichever is admitted after a sharer pinned it), nothing
+    else; the second must all be served the junction, from the checkpoint its writer kept, bit
+    for bit, that checkpoint equal to a cold run's state there (bit for bit where the build is
+    deterministic). Every output must equal the same prompt run alone from an empty cache:
+    bit for bit where the build is deterministic (the first prompt alone, reference_repeats
+    times, was), else by its tokens wherever the alone run is decisive (batched steps and the
+    junction are another path). The control, the first prompt's runner-up taken at a decisive
+    step, is rejected by its token."""
+    shared = _prefix_table(cell, profile, "shared")
+    prompts, tolerances = profile.section("prompts"), profile.tolerances()
+    block = block_size_of(layout)
+    groups = _mamba_layers(profile, layout)
+    sizes = {str(index): int(layout["groups"][index]["block_size"]) for index in groups}
+    count, max_tokens = int(shared["requests"]), int(prompts["max_tokens"])
+    seed = int(prompts["seed"]) + 41
+    system, wave1 = _shared_prompts(engine, shared, block, seed, count)
+    _, others = _shared_prompts(engine, shared, block, seed + 100, count, first=count)
+    wave2 = [system + p[len(system) :] for p in others]
+    junction = retention.cacheable_prefix(len(system), len(wave1[0]), block)
+    mode = retention.Mode(engine.scheduler_limits()["prefix_cache_retention_interval"])
+    assert all(junction < retention.replay_boundary(len(p), block) for p in wave1 + wave2), (
+        "the junction must lie below every prompt's replay boundary (prefix_blocks, tail_blocks)"
+    )
+    engine.record_block_tables()
+    engine.record_served_states(groups)
+    runs = judging.reference_runs(engine, wave1[0], max_tokens, tolerances, "alone")
+    comparison = judging.repeated("load", runs, "alone", tolerances)
+    deterministic = bitwise.deterministic(runs)
+    record_figure("load.alone_runs_bitwise", deterministic)
+    alone = [runs[0]] + [
+        _run_alone(engine, p, max_tokens, reset=True).output for p in wave1[1:] + wave2
+    ]
+
+    def judge(index: int, out: Any) -> None:
+        names = ("alone", f"under load #{index + 1}")
+        if deterministic:
+            bitwise.check_identical(alone[index], out, names)
+        else:
+            comparison.tokens_agree(alone[index], out, names, along_path=True)
+
+    assert engine.reset_prefix_cache()
+    engine.recorded_block_tables(clear=True)
+    engine.recorded_chunks(clear=True)
+    engine.served_states(clear=True)
+    first_wave = engine.generate_many_scored(wave1, max_tokens, TOP_LOGPROBS)
+    tables = engine.recorded_block_tables(clear=True)
+    steps = engine.recorded_chunks(clear=True)
+    served1 = engine.served_states(clear=True)
+    hits1 = [out.cached_tokens or 0 for _, out in first_wave]
+    print(f"load: wave 1 hits {hits1} (junction {junction})")
+    record_figure("load.wave1_hits", hits1, unit="tokens")
+    assert set(hits1) <= {0, junction} and 0 in hits1, (
+        f"wave 1 from an empty cache was served {hits1}: only nothing (the first admitted) or "
+        f"the junction of the shared prefix ({junction}) are possible"
+    )
+    first_wave = [(recorded_id(steps, rid), out) for rid, out in first_wave]
+    second_wave = engine.generate_many_scored(wave2, max_tokens, TOP_LOGPROBS)
+    served2 = engine.served_states(clear=True)
+    engine.recorded_block_tables(clear=True)
+    steps2 = engine.recorded_chunks(clear=True)
+    second_wave = [(recorded_id(steps2, rid), out) for rid, out in second_wave]
+    hits2 = [out.cached_tokens or 0 for _, out in second_wave]
+    print(f"load: wave 2 hits {hits2}")
+    record_figure("load.wave2_hits", hits2, limit=junction, relation="==", unit="tokens")
+    # What wave 1 kept below the prompts' common prefix: the junction alone (its replay
+    # boundaries and, dense, its other states lie past it).
+    kept = {junction}.union(
+        *(
+            retention.kept(mode, retention.step_boundaries(steps[rid], block), len(p), block)
+            for (rid, _), p in zip(first_wave, wave1, strict=True)
+        )
+    )
+    hit = retention.promised_hit(kept, len(system), len(wave2[0]), block)
+    limit = retention.cacheable_prefix(len(system), len(wave2[0]), block)
+    promised = retention.Promise(hit, tuple(sorted(kept)), limit, mode)
+    for index, (_, out) in enumerate(second_wave):
+        retention.check_hit(out.cached_tokens, promised, f"load: wave 2 request {index + 1}")
+    # The junction's state where its writer (a wave-1 request served nothing, one of whose
+    # steps ended there) keeps it; every request served the junction starts from it.
+    writers = [
+        rid
+        for rid, out in first_wave
+        if not out.cached_tokens and any(s + n == junction for s, n in steps[rid])
+    ]
+    assert writers, f"no request of wave 1 computed a step ending at the junction {junction}"
+    checkpoint = _state(engine, tables[writers[0]][-1], groups, junction, block)
+    for rid, out in first_wave:
+        if out.cached_tokens:
+            served.check_served(served1[rid], checkpoint.digests, junction, sizes)
+    for rid, _ in second_wave:
+        served.check_served(served2[rid], checkpoint.digests, junction, sizes)
+    # The junction's state cold along its writer's path: a sharer, then a request pinning it.
+    _run_alone(engine, wave1[0], 1, reset=True)
+    cold = _state(engine, _run_alone(engine, wave1[1], 1).table, groups, junction, block)
+    if deterministic:
+        assert cold.digests == checkpoint.digests, "the junction's checkpoint is not a cold run's"
+    else:
+        tolerance = tolerances.needed("checkpoint_page_rel")
+        errors = compare.check_checkpoint_pages(checkpoint.pages, cold.pages, tolerance)
+        worst = max(e for per_state in errors.values() for e in per_state)
+        record_figure("load.checkpoint_cold_rel_error", worst, limit=tolerance, relation="<=")
+    for index, (_, out) in enumerate(first_wave + second_wave):
+        judge(index, out)
+    record_figure("load.requests_judged", len(first_wave) + len(second_wave))
+    control = judging.runner_up_control(engine, wave1[0], max_tokens, runs[0], comparison)
+    comparison.rejects_by_token(runs[0], control, ("alone", "runner-up taken"))
+
+
+def _attention_groups(profile: Profile, layout: dict[str, Any]) -> list[int]:
+    """The prefix-cacheable groups that hold tokens, not a state (a hit needs every block of
+    theirs up to it)."""
+    mamba = set(_mamba_layers(profile, layout))
+    return [
+        index
+        for index, group in enumerate(layout["groups"])
+        if group["prefix_cacheable"] and index not in mamba
+    ]
+
+
 def test_mtp_matches_target_only(engine: Engine, cell: CellContext, profile: Profile) -> None:
     """The MTP drafter loads, and greedy output with it chooses the target-only run's tokens
     (greedy speculative decoding is lossless) at every step until the first one the target-only
@@ -731,3 +1255,105 @@ def test_mtp_matches_target_only(engine: Engine, cell: CellContext, profile: Pro
         target, with_mtp, ("target-only", "MTP"), along_path=True, path_runs=more
     )
     comparison.rejects_by_token(target, control, ("target-only", "runner-up accepted"))
+
+
+def test_eviction_and_preemption(engine: Engine, cell: CellContext, profile: Profile) -> None:
+    """A KV cache of [prefix.eviction] kv_blocks blocks, too small for what is asked of it. A
+    request A runs alone first; then `requests` prompts go at once, each passing a block
+    boundary as it decodes, so that vLLM must hand A's cached blocks to them (evict) and take
+    blocks from a running request (preempt it, and resume it later by recomputing). Both are
+    shown from the harness's own records, not vLLM's counter (recorded beside them): a block
+    A's resend would be served from appears in another request's block table; a request's steps
+    go back to a position it had computed past (chunks.recomputed). Then A again must be served
+    nothing (what its hit needs was evicted: a hit would come from a stale cache entry), and
+    every output must equal its prompt run alone from an empty cache: bit for bit where the
+    build is deterministic and the request ran along the alone run's path, else (a resumed
+    request recomputes by prefill what it had decoded) by its tokens wherever the alone run is
+    decisive. The control takes the first prompt's runner-up and is rejected by its token.
+    Last in the module: it stops the shared engine first (one engine at a time on a GPU)."""
+    table = _prefix_table(cell, profile, "eviction")
+    prompts, tolerances = profile.section("prompts"), profile.tolerances()
+    engine.shutdown()
+    with Engine(eviction_spec(cell, profile)) as small:
+        print(f"engine {small.spec.label} up in {small.start_seconds:.1f} s")
+        record_figure("eviction.start_s", round(small.start_seconds or 0.0, 1), unit="s")
+        layout = small.kv_layout()
+        block = block_size_of(layout)
+        groups = _mamba_layers(profile, layout)
+        attention = _attention_groups(profile, layout)
+        record_figure(
+            "eviction.kv_blocks", layout["num_blocks"], limit=int(table["kv_blocks"]), relation="=="
+        )
+        seed = int(prompts["seed"]) + 51
+        max_tokens, out_tokens = int(prompts["max_tokens"]), int(table["output_tokens"])
+        first_prompt = small.random_prompt(round(float(table["first_blocks"]) * block), seed)
+        load = [
+            small.random_prompt(round(float(table["prompt_blocks"]) * block), seed + 1 + i)
+            for i in range(int(table["requests"]))
+        ]
+        small.record_block_tables()
+        small.record_served_states(groups)
+        runs = judging.reference_runs(small, load[0], out_tokens, tolerances, "alone")
+        comparison = judging.repeated("eviction", runs, "alone", tolerances)
+        deterministic = bitwise.deterministic(runs)
+        record_figure("eviction.alone_runs_bitwise", deterministic)
+        alone = [runs[0]] + [_run_alone(small, p, out_tokens, reset=True).output for p in load[1:]]
+        # A from an empty cache: the blocks a resend of it would be served from stay cached.
+        first = _run_alone(small, first_prompt, max_tokens, reset=True)
+        mode = retention.Mode(small.scheduler_limits()["prefix_cache_retention_interval"])
+        states = retention.step_boundaries(first.steps, block)
+        resend = retention.promise(
+            mode, states, len(first_prompt), len(first_prompt), len(first_prompt), block
+        )
+        assert resend.hit > 0, f"A keeps nothing a resend could be served: {resend.describe()}"
+        column = resend.hit // block - 1
+        needed = {first.table[g][column] for g in groups}
+        needed |= {b for g in attention for b in first.table[g][: column + 1]}
+        needed.discard(_null_block_id())
+        # The load, all at once.
+        before = small.counters().get("vllm:num_preemptions", 0.0)
+        outs = small.generate_many_scored(load, out_tokens, TOP_LOGPROBS)
+        preemptions = small.counters().get("vllm:num_preemptions", 0.0) - before
+        tables = small.recorded_block_tables(clear=True)
+        steps = small.recorded_chunks(clear=True)
+        small.served_states(clear=True)
+        outs = [(recorded_id(steps, rid), out) for rid, out in outs]
+        went_back = {rid: chunks.recomputed(steps[rid]) for rid, _ in outs}
+        went_back = {rid: where for rid, where in went_back.items() if where}
+        handed = {b for rid, _ in outs for table_ in tables[rid] for ids in table_ for b in ids}
+        evicted = sorted(needed & handed)
+        print(
+            f"eviction: requests recomputed {went_back} (vLLM counts {preemptions:g} "
+            f"preemptions); A's blocks {sorted(needed)}, handed to the load {evicted}"
+        )
+        record_figure("eviction.recomputed_requests", len(went_back), limit=0, relation=">")
+        record_figure("eviction.recomputed_at", sorted(went_back.values()))
+        record_figure("eviction.vllm_preemptions", preemptions)
+        record_figure("eviction.evicted_blocks", len(evicted), limit=0, relation=">")
+        assert went_back, (
+            f"no request of the load went back to recompute (vLLM counts {preemptions:g} "
+            "preemptions): the cache is not small enough for the scenario (lower kv_blocks or "
+            "raise requests in [prefix.eviction])"
+        )
+        assert evicted, (
+            f"none of the blocks {sorted(needed)} A's resend needs was handed to another "
+            "request: nothing was evicted (lower kv_blocks or raise requests)"
+        )
+        # A again: part of what its hit needs now holds other requests' tokens.
+        again = _run_alone(small, first_prompt, max_tokens)
+        record_figure("eviction.resend_hit", again.output.cached_tokens, limit=0, relation="==")
+        assert not again.output.cached_tokens, (
+            f"A's resend was served {again.output.cached_tokens} cached tokens although blocks "
+            f"{evicted} its hit needs were handed to other requests since: a stale cache entry"
+        )
+        if deterministic:
+            bitwise.check_identical(first.output, again.output, ("A alone", "A after eviction"))
+        for index, (rid, out) in enumerate(outs):
+            names = ("alone", f"load #{index + 1}" + (" (resumed)" if rid in went_back else ""))
+            if deterministic and rid not in went_back:
+                bitwise.check_identical(alone[index], out, names)
+            else:
+                comparison.tokens_agree(alone[index], out, names, along_path=True)
+        control = judging.runner_up_control(small, load[0], out_tokens, runs[0], comparison)
+        comparison.rejects_by_token(runs[0], control, ("alone", "runner-up taken"))
+    assert not small.leftover_processes, f"killed after shutdown: {small.leftover_processes}"

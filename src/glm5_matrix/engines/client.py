@@ -28,7 +28,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -201,12 +201,17 @@ class Engine:
         (what compare's noise-floor rule needs to tell rounding from a real difference). A
         `logit_bias` steers the choice only: the logprobs are vLLM's raw ones, computed before
         any logits processor."""
-        request = self._generate(prompt, max_tokens, logprobs=top, logit_bias=logit_bias)
-        output = request.outputs[0]
-        tokens = list(output.token_ids)
-        steps = [{int(t): float(lp.logprob) for t, lp in step.items()} for step in output.logprobs]
-        chosen = [step[token] for token, step in zip(tokens, steps, strict=True)]
-        return GreedyOutput(tokens, chosen, steps, int(request.num_cached_tokens or 0))
+        return _scored(self._generate(prompt, max_tokens, logprobs=top, logit_bias=logit_bias))
+
+    def generate_many_scored(
+        self, prompts: Sequence[Sequence[int]], max_tokens: int, top: int
+    ) -> list[tuple[str, GreedyOutput]]:
+        """generate_scored for several prompts submitted together: vLLM schedules them side by
+        side (batched steps, each looking up the prefix cache as it is admitted). In the
+        prompts' order, each with vLLM's request id (the recorders key by the engine's own id,
+        which vLLM derives from it: recorded_id)."""
+        requests = self._generate_all(prompts, max_tokens, logprobs=top)
+        return [(str(request.request_id), _scored(request)) for request in requests]
 
     def _generate(
         self,
@@ -216,6 +221,16 @@ class Engine:
         logit_bias: dict[int, float] | None = None,
     ) -> Any:
         """vLLM's RequestOutput of one greedy request (no EOS stop: a fixed number of tokens)."""
+        return self._generate_all([prompt], max_tokens, logprobs, logit_bias)[0]
+
+    def _generate_all(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_tokens: int,
+        logprobs: int | None,
+        logit_bias: dict[int, float] | None = None,
+    ) -> list[Any]:
+        """vLLM's RequestOutputs of greedy requests submitted in one call, in order."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -226,9 +241,11 @@ class Engine:
             logprobs=logprobs,
             logit_bias=logit_bias,
         )
-        return self.llm.generate(
-            [TokensPrompt(prompt_token_ids=list(prompt))], params, use_tqdm=False
-        )[0]
+        return list(
+            self.llm.generate(
+                [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
+            )
+        )
 
     def counters(self) -> dict[str, float]:
         """vLLM's counters and vectors (summed) by name, e.g. vllm:spec_decode_num_drafts.
@@ -340,6 +357,28 @@ class Engine:
         """For each (layer, block id): the sha256 of that block's bytes per state tensor, from
         rank 0 (glm5_matrix.engines.workers)."""
         return self.rpc(worker_page_digests, list(layer_blocks))[0]
+
+
+def recorded_id(records: Mapping[str, Any], request_id: str) -> str:
+    """The key of the request `request_id` (a RequestOutput's, the id the caller sees) among a
+    worker recorder's `records`, which key by the engine's id: vLLM 0.32 and 0.33 append a
+    random suffix ("4" -> "4-1a2b3c4d", v1/engine/input_processor.py). Exactly one must match."""
+    found = [key for key in records if key == request_id or key.startswith(f"{request_id}-")]
+    if len(found) != 1:
+        raise KeyError(
+            f"request {request_id!r}: {len(found)} recorded ids match ({sorted(records)})"
+        )
+    return found[0]
+
+
+def _scored(request: Any) -> GreedyOutput:
+    """A RequestOutput with logprobs as a GreedyOutput: tokens, the chosen tokens' logprobs, the
+    candidates per step, and the tokens vLLM reports it served from the prefix cache."""
+    output = request.outputs[0]
+    tokens = list(output.token_ids)
+    steps = [{int(t): float(lp.logprob) for t, lp in step.items()} for step in output.logprobs]
+    chosen = [step[token] for token, step in zip(tokens, steps, strict=True)]
+    return GreedyOutput(tokens, chosen, steps, int(request.num_cached_tokens or 0))
 
 
 class EngineCoreWatch:

@@ -110,6 +110,61 @@ def moe_reference_spec(cell: CellContext, profile: Profile) -> EngineSpec | None
     return dataclasses.replace(spec, label=f"{spec.label}[moe_backend={reference}]")
 
 
+# The TP sizes test_e2e's prefix scenarios run at: they judge the scheduler's retention and the
+# state one rank starts from (the harness reads rank 0), which TP does not change; the TP cells
+# judge the split itself (layout, checkpoint pages per rank, greedy tokens against TP1).
+PREFIX_SCENARIOS_TP = (1,)
+
+
+def prefix_table(profile: Profile) -> dict[str, Any]:
+    """The profile's [prefix] table (test_e2e's prefix-caching scenarios); {} without one."""
+    return dict(profile.section("prefix") or {})
+
+
+def retention_spec(cell: CellContext, profile: Profile, interval: int | None) -> EngineSpec:
+    """test_e2e's engine in another prefix-cache retention mode: the shared engine's arguments
+    with vLLM's prefix_cache_retention_interval (None dense, 0 semantic, > 0 periodic)."""
+    return engine_spec(
+        cell,
+        profile,
+        prefix_cache_retention_interval=interval,
+        **prefill_chunk_args(cell, profile),
+    )
+
+
+def eviction_spec(cell: CellContext, profile: Profile) -> EngineSpec:
+    """test_e2e's engine for eviction and preemption: the shared engine's arguments with a KV
+    cache of [prefix.eviction] kv_blocks blocks (vLLM's num_gpu_blocks_override, "used for
+    testing preemption"), and vLLM's stats on, so that its own preemption counter is recorded
+    beside what the harness sees."""
+    table = prefix_table(profile).get("eviction")
+    if not table:
+        raise UserError(f"profile {profile.name} has no [prefix.eviction] table")
+    return engine_spec(
+        cell,
+        profile,
+        num_gpu_blocks_override=int(table["kv_blocks"]),
+        disable_log_stats=False,
+        **prefill_chunk_args(cell, profile),
+    )
+
+
+def e2e_extra_specs(cell: CellContext, profile: Profile) -> list[EngineSpec]:
+    """The engines test_e2e starts beside the shared one where the profile's [prefix] asks for
+    them: dense retention, and the small-cache engine; none at TP > 1, where the prefix
+    scenarios do not run (PREFIX_SCENARIOS_TP). The periodic mode's engine is left out: its
+    interval is a number of blocks of the engine's own block size, known once an engine runs."""
+    table = prefix_table(profile)
+    if (cell.tp or 1) not in PREFIX_SCENARIOS_TP:
+        return []
+    specs = []
+    if "dense" in table.get("retention_modes", []):
+        specs.append(retention_spec(cell, profile, None))
+    if table.get("eviction"):
+        specs.append(eviction_spec(cell, profile))
+    return specs
+
+
 # --- offload --------------------------------------------------------------------------------------
 
 
@@ -308,7 +363,11 @@ def for_cell(cell: CellContext, profile: Profile) -> list[Config]:
     """Every engine (or server) configuration the cell's suite starts, in its order."""
     if cell.suite == "e2e":
         reference = moe_reference_spec(cell, profile)  # test_moe_backends_agree, first
-        return [*([reference] if reference else []), *e2e_specs(cell, profile)]
+        return [
+            *([reference] if reference else []),
+            *e2e_specs(cell, profile),
+            *e2e_extra_specs(cell, profile),
+        ]
     if cell.suite == "offload":
         return [offload_spec(cell, profile, offload_cpu_bytes(cell, profile))]
     if cell.suite == "dflash":

@@ -455,6 +455,11 @@ def worker_scheduler_limits(worker: Any) -> dict[str, Any]:
         "speculative_tokens": int(
             config.speculative_config.num_speculative_tokens if config.speculative_config else 0
         ),
+        # The retention mode the engine runs (None dense, 0 semantic, > 0 periodic; vLLM's own
+        # default where nothing set it) and whether it caches prefixes at all.
+        "prefix_cache_retention_interval": config.cache_config.prefix_cache_retention_interval,
+        "enable_prefix_caching": bool(config.cache_config.enable_prefix_caching),
+        "max_num_batched_tokens": int(config.scheduler_config.max_num_batched_tokens),
     }
 
 

@@ -21,6 +21,8 @@ from glm5_matrix.matrix.tolerances import TOLERANCES
 TOLERANCE_TABLES = ("tolerances", "pd.tolerances", "dflash.tolerances")
 # What a profile's weights may be without a checkpoint (glm5_matrix.matrix.context.Weights).
 WEIGHT_KINDS = ("random", "generated", "dummy")
+# The prefix-cache retention modes a profile may run (glm5_matrix.verdicts.retention.MODES).
+RETENTION_MODES = ("semantic", "dense", "periodic")
 
 
 def _positive(doc: str, type_name: str = "number") -> Spec:
@@ -29,6 +31,14 @@ def _positive(doc: str, type_name: str = "number") -> Spec:
 
 def _count(doc: str, least: int = 1) -> Spec:
     return Spec("int", doc, minimum=least)
+
+
+def _needed(doc: str, type_name: str = "number", least: float = 1, above: float = 0) -> Spec:
+    """A required key of a scenario table: a count (int, at least `least`) or a size (a number
+    above `above`)."""
+    if type_name == "int":
+        return Spec("int", doc, required=True, minimum=least)
+    return Spec(type_name, doc, required=True, above=above)
 
 
 PROFILE = table(
@@ -187,6 +197,48 @@ PROFILE = table(
                 "tolerances": TOLERANCES,
             },
             "prefill/decode disaggregation over NIXL",
+        ),
+        "prefix": table(
+            {
+                "retention_modes": Spec(
+                    "list",
+                    "the prefix_cache_retention_interval modes test_prefix_cache_retention runs, "
+                    "one engine each (the shared engine for vLLM's default, semantic)",
+                    required=True,
+                    items=Spec("str", choices=RETENTION_MODES),
+                    unique=True,
+                ),
+                "periodic_blocks": Spec(
+                    "int", "the periodic mode's interval, in blocks of the engine", minimum=2
+                ),
+                "follow_up": table(
+                    {
+                        "prompt_blocks": _needed("request 1's prompt, in blocks", above=1),
+                        "output_tokens": _needed("request 1's greedy answer (tokens)", "int"),
+                        "new_tokens": _needed("the new message request 2 adds (tokens)", "int"),
+                    },
+                    "the follow-up turn: request 2 = request 1's prompt + its answer + new tokens",
+                ),
+                "shared": table(
+                    {
+                        "prefix_blocks": _needed("the system prefix, in blocks", above=1),
+                        "tail_blocks": _needed("each prompt's own tail, in blocks"),
+                        "requests": _needed("the prompts sent at once under load", "int", 2),
+                    },
+                    "prompts sharing a system prefix (the junction; the load)",
+                ),
+                "eviction": table(
+                    {
+                        "kv_blocks": _needed("the small engine's KV cache, in blocks", "int", 2),
+                        "first_blocks": _needed("the request whose blocks get evicted", above=1),
+                        "prompt_blocks": _needed("each prompt of the load, in blocks", above=1),
+                        "output_tokens": _needed("each load request's greedy tokens", "int"),
+                        "requests": _needed("the prompts sent at once", "int", 2),
+                    },
+                    "the small-cache engine that must evict cached blocks and preempt a request",
+                ),
+            },
+            "test_e2e's prefix-caching scenarios (docs/prefix-caching.md)",
         ),
         "dflash": table(
             {

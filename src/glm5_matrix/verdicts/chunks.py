@@ -71,3 +71,17 @@ def prompt_runs(
     tokens to its end (others, such as one-token probes, left out), in the order recorded."""
     runs = [prefill_chunks(record, prompt_tokens) for record in records.values()]
     return [run for run in runs if run and run[-1][1] == prompt_tokens]
+
+
+def recomputed(record: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+    """Where a request went back: (the end it had computed to, the position it computed from
+    next) for every step that starts before the previous step's end. A request preempted and
+    resumed is recomputed from its prefix hit (0 without one), so its record shows the
+    preemption without asking vLLM: [[767, 1], [0, 768]] is one that had computed 768 tokens
+    and was resumed from nothing."""
+    found = []
+    for (start, count), (next_start, _) in itertools.pairwise(record):
+        end = int(start) + int(count)
+        if int(next_start) < end:
+            found.append((end, int(next_start)))
+    return found

@@ -39,7 +39,11 @@ def test_each_suite_enumerates_what_it_starts() -> None:
     assert [s.args.get("speculative_config") for s in e2e] == [
         None,
         {"method": "mtp", "num_speculative_tokens": 1},
+        None,  # the eviction engine of test_e2e's prefix scenarios
     ]
+    assert (
+        e2e[2].args["num_gpu_blocks_override"] == profile.section("prefix")["eviction"]["kv_blocks"]
+    )
     assert all(s.args["moe_backend"] == "deep_gemm" and s.args["enforce_eager"] for s in e2e)
     (offload,) = engine_configs.for_cell(_cell("offload-tp1(simple)"), profile)
     transfer = offload.args["kv_transfer_config"]
@@ -70,8 +74,8 @@ def test_pd_servers_end_their_engine_cores_in_order_within_the_stop_grace() -> N
 
 def test_the_compiled_cell_runs_without_enforce_eager() -> None:
     profile = load_profile(GLM)
-    target, mtp = engine_configs.for_cell(_cell("e2e-tp1-graphs"), profile)
-    assert target.args["enforce_eager"] is False and mtp.args["enforce_eager"] is False
+    target, mtp, small = engine_configs.for_cell(_cell("e2e-tp1-graphs"), profile)
+    assert not any(s.args["enforce_eager"] for s in (target, mtp, small))
     eager = engine_configs.for_cell(_cell("e2e-tp1(deep_gemm)"), profile)[0]
     assert config_key(target, "k") != config_key(eager, "k")
     cell = _cell("e2e-tp1-graphs")
@@ -104,9 +108,9 @@ def test_equal_configurations_of_two_cells_share_a_key_and_others_do_not() -> No
         )
         for spec in engine_configs.for_cell(_cell(variant), profile)
     }
-    # e2e x2 backends x (target, MTP) + 2 offload + the dflash target and drafted engine + the PD
-    # server.
-    assert len(keys) == 4 + 2 + 2 + 1
+    # e2e x2 backends x (target, MTP, the small-cache engine) + 2 offload + the dflash target and
+    # drafted engine + the PD server.
+    assert len(keys) == 6 + 2 + 2 + 1
 
 
 def test_a_backend_is_judged_against_the_reference_backends_own_engine() -> None:
@@ -117,7 +121,9 @@ def test_a_backend_is_judged_against_the_reference_backends_own_engine() -> None
     profile = load_profile(GLM)
     reference = engine_configs.for_cell(_cell("e2e-tp1(deep_gemm)"), profile)
     flashinfer = engine_configs.for_cell(_cell("e2e-tp1(flashinfer)"), profile)
-    assert len(reference) == 2 and len(flashinfer) == 3
+    # (target, MTP, the prefix scenarios' small-cache engine), the flashinfer cell's after its
+    # reference engine
+    assert len(reference) == 3 and len(flashinfer) == 4
     assert engine_configs.moe_reference_spec(_cell("e2e-tp1(deep_gemm)"), profile) is None
     judged_against = flashinfer[0]
     assert judged_against.args["moe_backend"] == "deep_gemm"
@@ -183,11 +189,15 @@ def test_the_ledger_remembers_across_readers(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("tp", "block"), [("tp1", 4352), ("tp2", 2176)])
 def test_the_repeats_references_end_a_chunk_at_the_block(tp: str, block: int) -> None:
     """The engines whose cold reference a prefix-cache repeat is judged against get a chunk
-    budget of one planned block; the MTP engine and DFlash's keep vLLM's own."""
+    budget of one planned block (the small-cache engine's prefix scenarios compare with cold
+    runs too); the MTP engine and DFlash's keep vLLM's own."""
     profile = load_profile(GLM)
-    target, mtp = engine_configs.for_cell(_cell(f"e2e-{tp}(deep_gemm)"), profile)
-    assert target.args["max_num_batched_tokens"] == block
+    target, mtp, *small = engine_configs.for_cell(_cell(f"e2e-{tp}(deep_gemm)"), profile)
+    assert [s.args["max_num_batched_tokens"] for s in (target, *small)] == [block] * (
+        1 + len(small)
+    )
     assert "max_num_batched_tokens" not in mtp.args
+    assert len(small) == (tp == "tp1")  # the prefix scenarios' small-cache engine: TP1 only
 
 
 def test_offload_and_noise_chunk_at_the_block_and_dflash_does_not() -> None:
@@ -251,3 +261,29 @@ def test_the_refused_prefiller_runs_at_tp1_on_the_less_busy_core(
 def test_an_unknown_pd_role_is_refused() -> None:
     with pytest.raises(UserError, match="PD role 'refused'"):
         engine_configs.pd_role_tp(_cell("pd-nixl-cpu"), "refused")
+
+
+def test_the_prefix_scenarios_engines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tiny-hybrid-cpu runs dense retention and the small-cache engine beside the shared one
+    (periodic needs the engine's block, so the warm step cannot name it); each is the shared
+    engine's arguments with its one change."""
+    monkeypatch.setattr(specs, "resolve_model", lambda cell, profile: ("/models/tiny", {}))
+    cell, profile = _cell("e2e-cpu"), load_profile("tiny-hybrid-cpu")
+    shared, *extra = engine_configs.for_cell(cell, profile)
+    dense, small = extra
+    assert dense.args == {**shared.args, "prefix_cache_retention_interval": None}
+    assert small.args == {
+        **shared.args,
+        "num_gpu_blocks_override": profile.section("prefix")["eviction"]["kv_blocks"],
+        "disable_log_stats": False,
+    }
+    periodic = engine_configs.retention_spec(cell, profile, 768)
+    assert periodic.args["prefix_cache_retention_interval"] == 768
+    assert config_key(periodic) != config_key(dense)
+    # The TP cells run no prefix scenario; a profile without [prefix] has no eviction engine.
+    tp = load_profile("tiny-hybrid-cpu-tp")
+    assert engine_configs.e2e_extra_specs(_cell("e2e-cpu-tp2"), tp) == []
+    del profile.data["prefix"]
+    assert engine_configs.e2e_extra_specs(cell, profile) == []
+    with pytest.raises(UserError, match=r"no \[prefix\.eviction\]"):
+        engine_configs.eviction_spec(cell, profile)

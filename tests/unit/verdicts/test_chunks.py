@@ -50,3 +50,12 @@ def test_other_paths_are_refused(
 ) -> None:
     with pytest.raises(AssertionError, match=message):
         chunks.check_repeat_path(cold, repeat, LENGTH, BLOCK)
+
+
+def test_a_preempted_request_shows_where_it_went_back() -> None:
+    """Resumed from nothing after 768 tokens, and one resumed from its own 384-token hit."""
+    assert chunks.recomputed([[0, 384], [384, 66], [450, 1], [767, 1], [0, 768], [768, 1]]) == [
+        (768, 0)
+    ]
+    assert chunks.recomputed([[0, 500], [500, 1], [384, 118], [502, 1]]) == [(501, 384)]
+    assert chunks.recomputed([[0, 384], [384, 1], [385, 1]]) == []
