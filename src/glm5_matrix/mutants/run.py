@@ -318,16 +318,23 @@ def _attempt(
     return Outcome(mutant, cell, verdict, seconds, str(results / variant.slug), files)
 
 
+def parser() -> argparse.ArgumentParser:
+    made = argparse.ArgumentParser(prog="nox -s mutants --", description=__doc__.split("\n")[0])
+    made.add_argument("--ci", action="store_true", help="only the catalogue's CI subset")
+    made.add_argument("--jobs", type=int, default=1, help="runs side by side (default 1)")
+    # extend: `--only A --only B` asks for both (with nargs="+" alone the last one won).
+    made.add_argument(
+        "--only", nargs="+", action="extend", metavar="NAME", help="these mutants only"
+    )
+    made.add_argument("--list", action="store_true", help="print the catalogue and stop")
+    made.add_argument("--keep", action="store_true", help="keep the patched copies")
+    return made
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="nox -s mutants --", description=__doc__.split("\n")[0])
-    parser.add_argument("--ci", action="store_true", help="only the catalogue's CI subset")
-    parser.add_argument("--jobs", type=int, default=1, help="runs side by side (default 1)")
-    parser.add_argument("--only", nargs="+", metavar="NAME", help="these mutants only")
-    parser.add_argument("--list", action="store_true", help="print the catalogue and stop")
-    parser.add_argument("--keep", action="store_true", help="keep the patched copies")
     argv = list(sys.argv[1:] if argv is None else argv)
     cell_args = argv[argv.index("--") + 1 :] if "--" in argv else []
-    args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    args = parser().parse_args(argv[: argv.index("--")] if "--" in argv else argv)
 
     def say(line: str) -> None:
         print(f"mutants: {line}", flush=True)

@@ -384,3 +384,11 @@ def test_a_mutant_whose_control_is_not_green_is_not_run(tmp_path: Path) -> None:
     assert outcome.verdict.status == verdicts.INVALID
     assert "the control run wrote no results.json" in outcome.verdict.detail
     assert not (tmp_path / "runs").exists() and not (tmp_path / "work").exists()
+
+
+def test_only_given_twice_asks_for_both() -> None:
+    """`--only A --only B` names two mutants; with nargs="+" alone argparse kept the last."""
+    from glm5_matrix.mutants import run
+
+    args = run.parser().parse_args(["--only", "a", "--only", "b", "c"])
+    assert args.only == ["a", "b", "c"]
