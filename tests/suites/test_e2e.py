@@ -421,15 +421,19 @@ def test_greedy_reproducible_across_block_boundary(
 ) -> None:
     """A prompt longer than one block, run cold (the profile's reference_repeats times: the
     noise as a distribution) and then again from the cached block-boundary state, must agree
-    with the cold run under that noise: at its first step, the prefill's own output, and over
-    the whole run. The reference takes the repeat's path: its prefill ends a chunk at the
+    with the cold run under that noise: at its first step, the prefill's own output, by its
+    logprobs, and over the whole run by its tokens (equal wherever the cold run is decisive by
+    its own noise up to each step; the logprob differences recorded: on the GPU decode steps
+    have a tail no row of cold runs bounds, docs/verdicts.md). The reference takes the repeat's
+    path: its prefill ends a chunk at the
     boundary (checked on the chunks the worker computed: glm5_matrix.verdicts.chunks), so its
     second chunk has the repeat's shapes and starts from the state the cache then serves; the
     only difference left between the runs is the engine's own noise (on the H200 the sparse
     indexer's top-k order). A prompt whose last tokens before the boundary differ, what a stale
     or wrong cached block amounts to, must be rejected at the first step with at least the
     profile's min_power (there the cached state acts before any decode step adds noise of its
-    own); over the whole run its power is recorded. What the cache holds bit for bit, its
+    own); over the whole run its power by the token rule is recorded. What the cache holds bit
+    for bit, its
     pages, is test_prefill_checkpoint_pages's."""
     prompts, tolerances = profile.section("prompts"), profile.tolerances()
     block = block_size_of(layout)
@@ -473,6 +477,8 @@ def test_greedy_reproducible_across_block_boundary(
     try:
         repeat.rejects(cold, other, ("cold", "stale block"))
     except AssertionError as weak:  # the first step carries the power; recorded, not judged
+        # (on the GPU the stale block takes a token of its own at step 2: power inf; a model
+        # whose tokens it leaves unchanged cannot show it by tokens)
         record_figure("repeat.whole_run_control", str(weak).splitlines()[0][:300])
         print(f"repeat: over the whole run the stale block is not rejected with power: {weak}")
 
@@ -483,7 +489,7 @@ def test_prefix_cache_tells_the_last_token_of_a_block(
     """A prompt that differs from a cached one only in the last token of its first block must
     get no cached state covering that token: what it is served covers fewer tokens than the
     first position where the prompts differ, and its output agrees with its own cold runs under
-    their noise (first step and whole run). The repeat's stale-block control changes a whole
+    their noise (the first step by its logprobs, the whole run by its tokens). The repeat's stale-block control changes a whole
     block, so a block hash that leaves out a block's last token passes it; this is the check
     that sees one (mutant block-hash-drops-last-token)."""
     prompts, tolerances = profile.section("prompts"), profile.tolerances()

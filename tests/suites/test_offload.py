@@ -5,9 +5,11 @@ many times), wait (bounded) until the asynchronous offload stores are done and
 reset_prefix_cache() succeeds, then warm generate: the prompt must come back from the CPU side
 (external prefix-cache hits), the restored pages must be the stored ones byte for byte, and the
 output must agree with the GPU repeat and with the cold runs (checked to split where the warm
-run resumes), each at the prefill step and over the whole run, up to the engine's own noise,
-while a prompt whose restored block holds other tokens is rejected by the same rule with at
-least the profile's min_power at the prefill step (over the whole run it is recorded). Both
+run resumes), each at the prefill step by its logprobs and over the whole run by its tokens
+(equal wherever the reference is decisive by its own noise up to each step; the whole run's
+logprob differences recorded, docs/verdicts.md), while a prompt whose restored block holds
+other tokens is rejected by the same rule with at least the profile's min_power at the prefill
+step (over the whole run, by its tokens, it is recorded). Both
 connectors need a CUDA GPU (their worker side refuses the CPU platform)."""
 
 from __future__ import annotations
@@ -174,7 +176,7 @@ def test_offload_round_trip(engine: Engine, profile: Profile, plan: LayoutPlan) 
     # the same path as the GPU prefix-cache repeat, judged by the repeats' noise; and, since the
     # cold prefill ended a chunk at the same boundary (checked on the chunks the worker
     # computed), along the cold run's path from there: judged by the cold runs' noise, at the
-    # prefill's own output and over the whole run.
+    # prefill's own output (logprobs) and over the whole run (tokens).
     # The warm path done again (the GPU cache reset, the blocks restored from the CPU each
     # time): its own distribution, compared with the GPU repeats' and the cold runs'. A warm
     # path with a heavier tail than its reference (a restore racing the compute would look like

@@ -588,16 +588,24 @@ def test_disaggregated_output_matches_single_server(
     steps = compare.check_exact(reference, decoded, ("P-only", "P->D"))
     print(f"P-only vs P->D: {steps} of {steps} steps bitwise equal")
     record_figure("pd.bitwise_steps", steps, limit=len(reference.token_ids), relation="==")
-    comparison.rejects(record.control_reference, record.control, ("P-only", "P->D of other KV"))
+    # The verdict above is bitwise; its control shows the wrong KV moving the output beyond P
+    # alone's own noise by the logprob rule (its tokens may all stay: docs/cells.md).
+    comparison.rejects_by_logprobs(
+        record.control_reference, record.control, ("P-only", "P->D of other KV")
+    )
 
 
 def _steered_off(
     record: Record, reference: disagg.Completion, comparison: judging.Comparison, timeout: float
 ) -> disagg.Completion:
     """The control of the token rule: the P -> D request again, D steered (logit_bias) off P
-    alone's choice at P alone's first decisive step, so that it takes the runner-up there."""
-    step = compare.decisive_step(reference, comparison.floor.tolerance)
-    assert step is not None, "P alone has no decisive step: no control can be told from noise"
+    alone's choice at the first step P alone wins by min_power times its noise there
+    (Comparison.control_step), so that it takes the runner-up there."""
+    step = comparison.control_step(reference)
+    assert step is not None, (
+        f"P alone wins no step by {comparison.min_power:g}x its noise: no control can be told "
+        "from noise with that power"
+    )
     token = reference.token_ids[step]
     print(f"control: P->D takes the runner-up at step {step} (not {token})")
     record_figure("pd.control_step", step)

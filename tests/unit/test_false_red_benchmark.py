@@ -38,10 +38,15 @@ def _cell_run(folder: Path, outliers: tuple[int, ...], device: str) -> None:
     runs = [greedy(nudged(logits, k % 2)) for k in range(30 - len(outliers))]
     runs += [greedy(nudged(logits, k)) for k in outliers]
     recorder.record_figure("device.model", device)
-    comparison = judging.repeated("offload_repeat", runs, "GPU repeat", TOLERANCES)
+    # The prefill step: judged by its logprobs (a whole run is judged by its tokens).
+    comparison = judging.prefill_step("offload_repeat", runs, "GPU repeat", TOLERANCES, 2.0**-5)
     outcome = "passed"
     try:
-        comparison.agrees(runs[0], runs[1], ("GPU repeat", "warm from CPU"))
+        comparison.agrees(
+            judging.first_step(runs[0]),
+            judging.first_step(runs[1]),
+            ("GPU repeat", "warm from CPU"),
+        )
     except AssertionError:
         outcome = "failed"
     figures = [dataclasses.asdict(f) for f in recorder.figures()]

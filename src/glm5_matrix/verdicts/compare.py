@@ -136,30 +136,39 @@ class GreedyOutput:
 # 2. The tolerance comes from reference #1's row (its worst differences to the other N - 1 runs:
 #    given reference #1, independent draws of what a faithful run under test would show) by
 #    glm5_matrix.verdicts.false_red.tail_tolerance: the row's median plus an exponential tail
-#    extrapolated from the excesses above it, to the comparison's share of the cell's false-red
-#    budget, plus one step of the logits (the spacing of the bf16 numbers the logits are, read
-#    off the candidates' own differences: a tolerance below it would count rounding as a
-#    defect). A bitwise engine (as on the CPU build) gets one step. The rule's false-red rate is
-#    then measured on the same runs (leave-one-out: false_red.measure, run by judging).
-# 3. The run under test agrees when, at every step where both runs have seen the same tokens,
-#    every candidate both scored is within the tolerance; and where the greedy tokens part, each
-#    side's token is among the other's candidates and loses there by at most the tolerance (a
-#    near-tie, as in vLLM's check_logprobs_close). After a parting the inputs differ and
-#    nothing more is compared. agreement_threshold is the least tolerance that accepts a run.
+#    extrapolated from the excesses above it (a value tied with the median counted half a step
+#    above it: the values sit on the logits' grid), to the comparison's share of the cell's
+#    false-red budget, plus one step of the logits (the spacing of the bf16 numbers the logits
+#    are, read off the candidates' own differences: a tolerance below it would count rounding as
+#    a defect). A bitwise engine (as on the CPU build) gets one step. The rule's false-red rate
+#    is then measured on the same runs (leave-one-out: false_red.measure, run by judging).
+# 3. Logprobs are judged where the noise has no heavy tail: at one step, the prefill's own
+#    output (judging.prefill_step). The run under test agrees when, at every step where both
+#    runs have seen the same tokens, every candidate both scored is within the tolerance; and
+#    where the greedy tokens part, each side's token is among the other's candidates and loses
+#    there by at most the tolerance (a near-tie, as in vLLM's check_logprobs_close). After a
+#    parting the inputs differ and nothing more is compared. agreement_threshold is the least
+#    tolerance that accepts a run. Over a whole run the GPU's decode steps add a heavier tail
+#    (on the H100 one run in 20 to 30 jumps by 0.3 to 0.5 nats at a decode step: the sparse
+#    indexer's top-k flipping), which a row of 29 cannot bound: there logprobs are recorded.
 # 4. A negative control (a run that differs in exactly what the test guards) must be rejected
 #    by the same rule with the same tolerance, and by a wide margin: its power, the least
 #    tolerance at which the rule would accept it over the tolerance (inf where one side's token
 #    is unscored by the other: no tolerance accepts it), must reach the profile's min_power: the
 #    control stays rejected under a tolerance min_power times wider, at the step that decides.
-# 5. Runs the model computes along another path (a drafter's verification batch) are not held to
-#    the repeat's noise: greedy speculative decoding is lossless, so their TOKENS must equal the
-#    reference's at every step until the first one the reference itself wins by no more than
-#    the tolerance (check_tokens_while_decisive), or, for a drafter (along_path), than the two
-#    runs' scores already differed at the steps before, on the same tokens: the verification
-#    pass rounds otherwise, which the reference's repeats cannot show. token_threshold is the
-#    least tolerance that accepts a run by that rule. Their logprob differences are recorded,
-#    never bounded by a constant. Runs whose arithmetic is the reference's own are compared
-#    bitwise (check_exact).
+# 5. Whole runs are judged by their TOKENS (check_tokens): greedy decoding of the same model is
+#    deterministic up to the noise, and greedy speculative decoding is lossless, so the run
+#    must choose the reference's token at every step until they first part, and that parting
+#    must be a near-tie on both sides within the bound of its step: the tail tolerance of how
+#    far reference #1's runs moved one candidate's score against another's over the steps up to
+#    it (accumulated_spread, NoiseFloor.bounds; early steps are judged against their own smaller
+#    noise), each step at its share of the comparison's (the union bound over the step a run
+#    first parts at). For a drafter (along_path) the bar
+#    is also what the two runs' scores already differed by at the steps before, on the same
+#    tokens: the verification pass rounds otherwise, which the reference's repeats cannot show.
+#    token_threshold is what the bound must cover for the run to be accepted. Logprob
+#    differences are recorded, never bounded by a constant. Runs whose arithmetic is the
+#    reference's own are compared bitwise (check_exact).
 
 BF16_STORED_MANTISSA_BITS = 7
 # How closely a difference must sit on a multiple of the spacing to count as one: the logprobs
@@ -270,6 +279,38 @@ def _judge(
     return Agreement(total, total, worst, tolerance, None), ""
 
 
+def accumulated_spread(a: Scored, b: Scored) -> list[float]:
+    """Per step s of `a`, the most the two runs moved one candidate's score against another's
+    over the steps up to s: at each step the spread of their differences over the candidates
+    both scored (the largest difference less the smallest), while they saw the same tokens and
+    at the step they part (inf there where a side's token is unscored by the other, or `b`
+    ended); after a parting nothing more is measured (the inputs differ), so the value stays.
+    A token changes where one candidate's score passes another's: what can do that is the
+    change of their difference, not of either score (a shift common to every candidate, as the
+    log-sum-exp moves them, changes no token). Where two faithful runs part, each side's gap is
+    at most this spread at that step (the two gaps sum to the change of the two tokens'
+    difference), so the token rule's bound of a step, a tail bound of this over the reference's
+    runs, covers a faithful parting (NoiseFloor.bounds)."""
+    found, worst, parted = [], 0.0, False
+    for step in range(len(a.token_ids)):
+        if not parted:
+            if step >= len(b.token_ids):
+                worst, parted = math.inf, True
+            else:
+                top_a, top_b = a.top_logprobs[step], b.top_logprobs[step]
+                moved = [float(top_a[c]) - float(top_b[c]) for c in set(top_a) & set(top_b)]
+                if moved:
+                    worst = max(worst, max(moved) - min(moved))
+                token_a, token_b = a.token_ids[step], b.token_ids[step]
+                if token_a != token_b:
+                    parted = True
+                    both = {token_a, token_b}
+                    if not (both <= set(top_a) and both <= set(top_b)):
+                        worst = math.inf
+        found.append(worst)
+    return found
+
+
 def _shown(a: Scored, b: Scored, names: tuple[str, str]) -> str:
     return f"\n{names[0]}: {list(a.token_ids)}\n{names[1]}: {list(b.token_ids)}"
 
@@ -285,12 +326,18 @@ class NoiseFloor:
     least_matched: int  # the fewest equal leading tokens of any pair
     total: int  # tokens per run
     share: float  # the false-red rate the tolerance allows (false_red.Budget.share)
+    # Per pair (as pair_worsts), the most it moved one candidate's score against another's over
+    # the steps up to each step (accumulated_spread); empty for a hand-built floor (then every
+    # step's bound is the tolerance).
+    pair_steps: tuple[tuple[float, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.pair_worsts:
             raise ValueError("a noise floor needs at least one pair of runs")
         if not self.runs * (self.runs - 1) // 2 == len(self.pair_worsts):
             raise ValueError(f"{len(self.pair_worsts)} pair(s) from {self.runs} runs")
+        if self.pair_steps and len(self.pair_steps) != len(self.pair_worsts):
+            raise ValueError(f"{len(self.pair_steps)} per-step rows for {self.pairs} pair(s)")
 
     @property
     def pairs(self) -> int:
@@ -309,6 +356,37 @@ class NoiseFloor:
             for j in range(i + 1, self.runs):
                 found[i][j] = found[j][i] = next(pairs)
         return found
+
+    def matrix_steps(self) -> list[list[tuple[float, ...]]]:
+        """Every pair's spread up to each step (accumulated_spread), N x N x total (zeros on
+        the diagonal); each step the whole run's worst where the floor has no per-step rows."""
+        steps = self.pair_steps or tuple((w,) * self.total for w in self.pair_worsts)
+        zero = (0.0,) * self.total
+        found = [[zero] * self.runs for _ in range(self.runs)]
+        pairs = iter(steps)
+        for i in range(self.runs):
+            for j in range(i + 1, self.runs):
+                found[i][j] = found[j][i] = next(pairs)
+        return found
+
+    @property
+    def row_steps(self) -> list[list[float]]:
+        """Per step s, reference #1's spreads to the other runs over the steps up to s
+        (accumulated_spread; two runs: with the floor of the differences, 0, as for the
+        tolerance)."""
+        first = self.matrix_steps()[0][1:]
+        rows = [[pair[s] for pair in first] for s in range(self.total)]
+        return [row if len(row) >= false_red.MIN_ROW else [*row, 0.0] for row in rows]
+
+    @property
+    def bounds(self) -> tuple[float, ...]:
+        """The token rule's tolerance at each step (rule point 5): false_red.step_bounds over
+        row_steps, each step at its share of the comparison's (the union bound over the steps
+        a run may first part at); the tolerance at every step for a hand-built floor. For one
+        step, the tolerance itself."""
+        if not self.pair_steps:
+            return (self.tolerance,) * self.total
+        return tuple(false_red.step_bounds(self.row_steps, self.step, self.share))
 
     @property
     def worst(self) -> float:
@@ -359,7 +437,7 @@ def noise_spread(runs: Sequence[Scored], names: Sequence[str], share: float) -> 
         raise ValueError(f"the noise needs the reference at least twice, not {len(runs)} run(s)")
     if len(names) != len(runs):
         raise ValueError(f"{len(names)} name(s) for {len(runs)} runs")
-    worsts, matched = [], []
+    worsts, matched, steps = [], [], []
     for i in range(len(runs)):
         for j in range(i + 1, len(runs)):
             pair = (names[i], names[j])
@@ -371,8 +449,15 @@ def noise_spread(runs: Sequence[Scored], names: Sequence[str], share: float) -> 
                 )
             worsts.append(agreement.worst_delta)
             matched.append(agreement.matched)
+            steps.append(tuple(accumulated_spread(runs[i], runs[j])))
     return NoiseFloor(
-        tuple(worsts), logit_step(*runs), len(runs), min(matched), len(runs[0].token_ids), share
+        tuple(worsts),
+        logit_step(*runs),
+        len(runs),
+        min(matched),
+        len(runs[0].token_ids),
+        share,
+        tuple(steps),
     )
 
 
@@ -445,6 +530,13 @@ class Threshold:
             return math.inf
         return self.value / tolerance if tolerance > 0 else math.inf
 
+    def power_at(self, bounds: Bounds) -> float:
+        """The power against per-step bounds: value over the bound of the step that decides
+        (0 where nothing decides: the run is accepted at any bound)."""
+        if self.step is None:
+            return 0.0
+        return self.power(_bound_at(bounds, self.step))
+
 
 def agreement_threshold(reference: Scored, run: Scored) -> Threshold:
     """The least tolerance at which check_agreement accepts `run` (rule point 3): its worst
@@ -474,28 +566,61 @@ def agreement_threshold(reference: Scored, run: Scored) -> Threshold:
     return Threshold(worst, at)
 
 
-def token_threshold(reference: Scored, run: Scored, along_path: bool = False) -> Threshold:
-    """The least tolerance at which check_tokens_while_decisive accepts `run` (rule point 5).
+Bounds = float | Sequence[float]  # one tolerance, or one per step
 
-    The rule stops at the first step whose margin is within its bar (the tolerance, or with
-    `along_path` also the runs' largest difference at the steps before) and fails at a step
-    before that where the tokens differ or `run` has ended. So it accepts iff some step s up to
-    the first such one, d, has margin_s <= max(tolerance, D_s): the least tolerance is the
-    smallest margin up to d among the steps whose margin exceeds D_s (0 if any does not)."""
-    total = len(reference.token_ids)
-    deltas = step_deltas(reference, run, min(total, len(run.token_ids))) if along_path else []
-    bar_before = 0.0  # D_s: the largest difference at the steps before s
-    least, at = math.inf, None
-    for step, margin in enumerate(margins(reference)):
-        if margin <= bar_before:
-            return Threshold(0.0, None)
-        if margin < least:
-            least, at = margin, step
-        if step >= len(run.token_ids) or reference.token_ids[step] != run.token_ids[step]:
-            return Threshold(least, at)
-        if along_path:
-            bar_before = max(bar_before, deltas[step])
-    return Threshold(0.0, None)
+
+def _bound_at(bounds: Bounds, step: int) -> float:
+    return float(bounds) if isinstance(bounds, int | float) else float(bounds[step])
+
+
+@dataclass(frozen=True)
+class Parting:
+    """Where two greedy runs first choose other tokens: each side's preference for its own
+    token over the other's (its gap; inf where that token is unscored by the side, or the run
+    under test ended there), and, along another path, the largest difference the two showed at
+    the steps before it on the same tokens."""
+
+    step: int
+    chosen: tuple[int | None, int | None]  # the reference's token, the run's (None: it ended)
+    gaps: tuple[float, float]
+    before: float  # the largest step_deltas before it
+
+    @property
+    def gap(self) -> float:
+        return max(self.gaps)
+
+
+def first_parting(reference: Scored, run: Scored) -> Parting | None:
+    """The first step where `run` chooses another token than `reference` (or has ended), or
+    None where it chose every one of the reference's tokens."""
+    shared = equal_prefix(reference, run)
+    if shared >= len(reference.token_ids):
+        return None
+    before = max(step_deltas(reference, run, shared), default=0.0)
+    if shared >= len(run.token_ids):
+        return Parting(shared, (reference.token_ids[shared], None), (math.inf, math.inf), before)
+    top_a, top_b = reference.top_logprobs[shared], run.top_logprobs[shared]
+    token_a, token_b = reference.token_ids[shared], run.token_ids[shared]
+    gaps = []
+    for top, chosen, rival in ((top_a, token_a, token_b), (top_b, token_b, token_a)):
+        known = chosen in top and rival in top
+        gaps.append(float(top[chosen]) - float(top[rival]) if known else math.inf)
+    return Parting(shared, (token_a, token_b), (gaps[0], gaps[1]), before)
+
+
+def token_threshold(reference: Scored, run: Scored, along_path: bool = False) -> Threshold:
+    """What check_tokens compares with the bound of the step that decides (rule point 5): the
+    larger gap where the runs first part (inf where a side's token is unscored by the other or
+    the run ended: no bound accepts it), at that step; 0 where they never part, or, along a
+    path, where the gap lies within what the paths moved the scores by before it (no bound
+    rejects it). The run is accepted iff value <= the bound at `step`; its power against a
+    control is value / that bound."""
+    parting = first_parting(reference, run)
+    if parting is None:
+        return Threshold(0.0, None)
+    if along_path and parting.gap <= parting.before:
+        return Threshold(0.0, parting.step)
+    return Threshold(parting.gap, parting.step)
 
 
 def check_exact(a: Scored, b: Scored, names: tuple[str, str]) -> int:
@@ -531,74 +656,78 @@ def check_exact(a: Scored, b: Scored, names: tuple[str, str]) -> int:
 
 @dataclass(frozen=True)
 class TokenAgreement:
-    """How far a run's greedy tokens were checked against the reference's (rule point 5)."""
+    """How a run's greedy tokens compared with the reference's (rule point 5)."""
 
-    compared: int  # leading steps whose tokens were compared (all equal)
+    compared: int  # equal leading tokens (all of them where the runs never part)
     total: int
-    stopped_at: int | None  # the first step the reference wins by no more than the bar
-    stop_margin: float | None  # the reference's margin there
-    bar: float | None = None  # where the bar rose above the tolerance (along_path): its value
+    parted_at: int | None = None  # where they part, at a near-tie within the bound there
+    gaps: tuple[float, float] | None = None  # each side's preference for its own token there
+    bound: float | None = None  # the bound there (along a path: or what the paths moved before)
 
-    def describe(self, tolerance: float) -> str:
-        text = f"{self.compared} of {self.total} tokens compared, all equal"
-        if self.stopped_at is not None and self.stop_margin is not None:
-            if self.bar is not None and self.bar > tolerance:
-                within = (
-                    f"the paths' own difference {self.bar:.4f} on the same tokens before it "
-                    f"(tolerance {tolerance:.4f})"
-                )
-            else:
-                within = f"tolerance {tolerance:.4f}"
+    def describe(self) -> str:
+        text = f"{self.compared} of {self.total} tokens equal"
+        if self.parted_at is not None and self.gaps is not None and self.bound is not None:
             text += (
-                f"; stopped at step {self.stopped_at}, where the reference's own choice wins by "
-                f"{self.stop_margin:.4f} <= {within} (within the noise: from there a faithful "
-                "run may choose otherwise, and its inputs differ)"
+                f"; they part at step {self.parted_at} at a near-tie within the noise up to it "
+                f"(gaps {self.gaps[0]:.4f} / {self.gaps[1]:.4f} <= {self.bound:.4f}; from there "
+                "the inputs differ and nothing more is compared)"
             )
         return text
 
 
-def check_tokens_while_decisive(
+def check_tokens(
     reference: Scored,
     run: Scored,
-    tolerance: float,
+    bounds: Bounds,
     names: tuple[str, str],
     along_path: bool = False,
 ) -> TokenAgreement:
-    """`run`'s tokens equal `reference`'s at every step until the first one whose greedy choice
-    the reference wins by no more than the bar (its margin over the best other candidate;
-    margins()); there the comparison stops. The bar is `tolerance` (the reference's own noise).
-    With `along_path` (a drafter: the target verifies drafted tokens in a pass of other shapes,
-    whose rounding the reference's repeats cannot show) it is also at least the largest
-    difference the two runs showed at the steps before (step_deltas), where both had the same
-    tokens: what the other path already moved the same model's scores by. A step's own
-    difference never raises its own bar, so a run whose scores jump at one step fails there.
-    An AssertionError names a token that differs at a decisive step, or a run too short."""
-    if not tolerance >= 0.0:
-        raise ValueError(f"tolerance {tolerance} must be >= 0")
+    """`run` chooses `reference`'s token at every step, until they first part, which must be a
+    near-tie on both sides within the bound of that step (`bounds`: the reference's own noise
+    up to each step, NoiseFloor.bounds; one float for every step): each side's token among the
+    other's candidates and preferred by it by no more than the bound. Greedy decoding of the
+    same model chooses the same wherever the reference wins by more than its noise; after a
+    parting the inputs differ and nothing more is compared. With `along_path` (a drafter: the
+    target verifies drafted tokens in a pass of other shapes, whose rounding the reference's
+    repeats cannot show) the bar at the parting is also at least the largest difference the two
+    runs showed at the steps before it, on the same tokens; the parting step's own difference
+    never raises it, so a run whose scores jump where it parts fails there. An AssertionError
+    names a parting at a decisive step, an unscored token, or a run that ended early."""
     total = len(reference.token_ids)
-    bar = tolerance
-    deltas = step_deltas(reference, run, min(total, len(run.token_ids))) if along_path else []
-    for step, margin in enumerate(margins(reference)):
-        if margin <= bar:
-            return TokenAgreement(step, total, step, margin, bar if bar > tolerance else None)
-        if step >= len(run.token_ids):
-            raise AssertionError(
-                f"{names[1]} has {len(run.token_ids)} tokens; {names[0]}'s step {step} is "
-                f"decisive (margin {margin:.4f} > bar {bar:.4f})"
-            )
-        chosen, other = reference.token_ids[step], run.token_ids[step]
-        if chosen != other:
-            scored = run.top_logprobs[step] if step < len(run.top_logprobs) else {}
-            path = f", the paths' own difference before it {bar:.4f}" if bar > tolerance else ""
-            raise AssertionError(
-                f"step {step}: {names[0]} chose {chosen}, {names[1]} {other}, where {names[0]} "
-                f"wins by {margin:.4f} > tolerance {tolerance:.4f}{path} (a decisive step: "
-                f"greedy decoding of the same model must choose the same); {names[1]} scored "
-                f"{dict(scored)}{_shown(reference, run, names)}"
-            )
-        if along_path:
-            bar = max(bar, deltas[step])
-    return TokenAgreement(total, total, None, None, bar if bar > tolerance else None)
+    parting = first_parting(reference, run)
+    if parting is None:
+        return TokenAgreement(total, total)
+    step, (chosen, other) = parting.step, parting.chosen
+    bound = _bound_at(bounds, step)
+    if not bound >= 0.0:
+        raise ValueError(f"bound {bound} at step {step} must be >= 0")
+    bar = max(bound, parting.before) if along_path else bound
+    path = (
+        f", the paths' own difference before it {parting.before:.4f}"
+        if along_path and parting.before > bound
+        else ""
+    )
+    if other is None:
+        raise AssertionError(
+            f"{names[1]} has {len(run.token_ids)} tokens; {names[0]} has {total}, equal up to "
+            f"there{_shown(reference, run, names)}"
+        )
+    if math.isinf(parting.gap):
+        raise AssertionError(
+            f"step {step}: {names[0]} chose {chosen}, {names[1]} {other}, a token the other "
+            f"side did not score ({names[0]}: {dict(reference.top_logprobs[step])}, "
+            f"{names[1]}: {dict(run.top_logprobs[step])}): not a near-tie"
+            f"{_shown(reference, run, names)}"
+        )
+    if parting.gap > bar:
+        raise AssertionError(
+            f"step {step}: {names[0]} chose {chosen}, {names[1]} {other}, where {names[0]} "
+            f"wins by {parting.gaps[0]:.4f} and {names[1]} by {parting.gaps[1]:.4f} > bound "
+            f"{bound:.4f}{path} (a decisive step: greedy decoding of the same model must choose "
+            f"the same); {names[1]} scored {dict(run.top_logprobs[step])}"
+            f"{_shown(reference, run, names)}"
+        )
+    return TokenAgreement(step, total, step, parting.gaps, bar)
 
 
 def equal_prefix(a: Scored, b: Scored) -> int:
@@ -669,17 +798,17 @@ def check_decisive(output: Scored, step: float, min_median_steps: float, what: s
     return found
 
 
-def decisive_step(output: Scored, tolerance: float) -> int | None:
-    """The first step whose greedy choice wins by more than `tolerance` and whose token was not
-    chosen before: where a control can accept the runner-up instead (what a broken verification
-    of drafted tokens does) and be told apart from noise. Only steps before the first one won by
-    no more than `tolerance` qualify: check_tokens_while_decisive compares no further. None when
-    no step qualifies."""
+def decisive_step(output: Scored, bounds: Bounds, min_power: float = 1.0) -> int | None:
+    """The first step whose greedy choice wins by at least `min_power` times the bound there
+    (and by more than the bound) with a token not chosen before: where a control can accept the
+    runner-up instead (what a broken verification of drafted tokens does) and be rejected by
+    the token rule with that power (a logit_bias against the token steers every step, so it
+    must not have been chosen earlier). None when no step qualifies."""
     seen: set[int] = set()
     for step, (token, margin) in enumerate(zip(output.token_ids, margins(output), strict=True)):
-        if margin <= tolerance:
-            return None
-        if token not in seen and math.isfinite(margin):
+        bound = _bound_at(bounds, step)
+        fresh = token not in seen and math.isfinite(margin)
+        if fresh and margin > bound and margin >= min_power * bound:
             return step
         seen.add(token)
     return None

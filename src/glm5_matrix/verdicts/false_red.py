@@ -12,13 +12,19 @@ one engine start. Three parts:
    X_(j+1) + c * S_j, where S_j sums the j largest excesses over X_(j+1), with probability
    exactly (j + 1) / (M + 1) * (1 + c) ** -j, whatever the scale: c is solved for the
    comparison's share of the cell's false-red budget, and one step of the logits is added for
-   the grid the values sit on. No constant measured on a host enters; more runs mean less
-   extrapolation (a smaller c).
+   the grid the values sit on; a value tied with X_(j+1) counts half a step of excess
+   (tail_excess: a row's tied upper half is no exponential of scale zero). No constant
+   measured on a host enters; more runs mean less extrapolation (a smaller c). The token rule
+   judges a run at the step where it first parts from the reference, against a tolerance per
+   step (step_bounds: the row of reference #1's spreads up to that step, compare.
+   accumulated_spread), each at its share of the comparison's (step_share: the union bound
+   over the step a run first parts at).
 2. The measurement (measure): leave-one-out over every ordered pair (reference r, held-out h)
-   of the K runs: the tolerance from r's row without h, and h judged by the suite's own rule
-   through its acceptance threshold (the least tolerance at which the rule accepts h against
-   r; compare.agreement_threshold / token_threshold). Its rate is the rule's measured false-red
-   rate at N - 1 runs; resampled_rate does the same for n < K - 1 reference runs, by resampling.
+   of the K runs: the tolerance from r's row without h (at the step that judges h, for the
+   token rule), and h judged by the suite's own rule through what it compares with the
+   tolerance (compare.agreement_threshold / token_threshold). Its rate is the rule's measured
+   false-red rate at N - 1 runs; resampled_rate does the same for n < K - 1 reference runs,
+   by resampling.
 3. The self-check (Measurement.tripped). One run of K can only show a rate near 1/K, and one
    outlying run among K is what a faithful engine at the share shows about K times the share
    of cell runs: failing on the point estimate would itself be a false red. So outlying runs
@@ -37,7 +43,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,16 +104,59 @@ def tail_parameters(values: int, share: float) -> tuple[int, float]:
     return j, max(0.0, above ** (1.0 / j) - 1.0)
 
 
-def tail_tolerance(row: Sequence[float], step: float, share: float) -> float:
-    """X_(j+1) + c * S_j + step over `row` (module doc, point 1). A bitwise row (all zero) gives
-    one step; a row holding inf (a run that parted at an unscored token) gives inf."""
-    j, c = tail_parameters(len(row), share)
+def tail_excess(row: Sequence[float], step: float) -> tuple[float, float]:
+    """(X_(j+1), S_j) of the rule over `row`: the (j + 1)-th largest value and the sum of the j
+    largest values' excesses over it, a value tied with X_(j+1) (within a quarter step) counted
+    half a step above it. The values sit on the logits' grid (`step`), and a tie hides where in
+    the step around the threshold a value lay: counting no excess for it reads a row whose upper
+    half is one tied value as an exponential of scale zero. On the H100's prefill step most rows
+    are such (20 of 28 values at 4 logit steps, 7 at 2; the differences there fall on a grid of
+    two steps), and the rule without this rejected 13 of 13050 leave-one-out judgements (a run
+    one grid value past the tie), with it none (glm5_matrix.verdicts.replay). A row without
+    ties is unchanged; on rounded exponential values the rate only falls (tests/unit/verdicts/
+    test_false_red.py). A threshold of zero (at least half the pairs bitwise equal) is exact,
+    not rounded: no tie is counted there."""
+    j, _ = tail_parameters(len(row), 0.5)
     ordered = sorted(row, reverse=True)
     threshold = ordered[j]
-    if math.isinf(ordered[0]):
-        return math.inf
     excess = math.fsum(v - threshold for v in ordered[:j])
+    if threshold > step / 4:
+        excess += sum(1 for v in ordered[:j] if v - threshold <= step / 4) * step / 2
+    return threshold, excess
+
+
+def tail_tolerance(row: Sequence[float], step: float, share: float) -> float:
+    """X_(j+1) + c * S_j + step over `row` (module doc, point 1; tail_excess). A bitwise row
+    (all zero) gives one step; a row holding inf (a run that parted at an unscored token) gives
+    inf."""
+    _, c = tail_parameters(len(row), share)
+    if math.isinf(max(row)):
+        return math.inf
+    threshold, excess = tail_excess(row, step)
     return threshold + c * excess + step
+
+
+def step_share(share: float, steps: int) -> float:
+    """What each of `steps` per-step tolerances may spend of a comparison's `share`: a run is
+    judged at whichever step it first parts from the reference, so the steps' tolerances are
+    split by the union bound (Bonferroni)."""
+    if steps < 1:
+        raise ValueError(f"{steps} steps: a comparison has at least one")
+    return share / steps
+
+
+def step_bounds(rows: Sequence[Sequence[float]], step: float, share: float) -> list[float]:
+    """The per-step tolerances of a row per step (rows[s]: reference #1's differences to the
+    other runs over the steps up to s, compare.accumulated_spread): tail_tolerance of each at
+    step_share(share, S), never below an earlier step's. The rows only grow from step to step,
+    but a row's tail estimate need not (ties broken at a later step count less excess): a
+    value beyond step s's bound is beyond the larger one too, so the running largest keeps each
+    step's share and makes the bound the noise accumulated up to the step."""
+    each = step_share(share, len(rows))
+    found: list[float] = []
+    for row in rows:
+        found.append(max(tail_tolerance(row, step, each), found[-1] if found else 0.0))
+    return found
 
 
 def exceedance(row: Sequence[float], value: float, step: float) -> float:
@@ -115,12 +164,10 @@ def exceedance(row: Sequence[float], value: float, step: float) -> float:
     which the rule's tolerance would equal `value` (1 at or below X_(j+1) + step; 0 for inf).
     How far into the tail a run under test sits, in the rule's own terms."""
     j, _ = tail_parameters(len(row), 0.5)
-    ordered = sorted(row, reverse=True)
-    threshold = ordered[j]
+    threshold, excess = tail_excess(row, step)
     if math.isinf(value):
         return 0.0
     beyond = (j + 1) / (len(row) + 1)
-    excess = math.fsum(v - threshold for v in ordered[:j])
     room = value - step - threshold
     if room <= 0.0:
         return 1.0
@@ -199,58 +246,101 @@ def trip_count(runs: int, share: float) -> int:
     return count
 
 
-def _row(noise: Sequence[Sequence[float]], r: int, alive: Sequence[int], left_out: int) -> list:
-    return [noise[r][x] for x in alive if x not in (r, left_out)]
+Noise = Sequence[Sequence[Any]]  # K x K: a float per pair, or a sequence per step
+# A tolerance from a row, a logit step and a share: tail_tolerance, or another rule replayed
+# against it (glm5_matrix.verdicts.replay).
+Tail = Callable[[Sequence[float], float, float], float]
 
 
-def _rejections(
-    noise: Sequence[Sequence[float]],
+def _per_step(noise: Noise) -> list[list[tuple[float, ...]]]:
+    """K x K x S: each pair's worst difference per step (one step for a float per pair)."""
+    return [[tuple(v) if isinstance(v, Sequence) else (float(v),) for v in row] for row in noise]
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """The rule as the measurement replays it: run h held out against reference r is rejected
+    when accept_at[r][h] exceeds the tolerance of r's row (without h) at step at_step[r][h]."""
+
+    rows: list[list[tuple[float, ...]]]  # K x K x S
+    accept_at: Sequence[Sequence[float]]
+    at_step: Sequence[Sequence[int | None]] | None
+    step: float
+    share: float  # per step: step_share of the comparison's
+    tail: Tail
+
+    def rejects(self, r: int, h: int, others: Sequence[int]) -> bool:
+        value = self.accept_at[r][h]
+        if not value > 0.0:
+            return False
+        at = self.at_step[r][h] if self.at_step is not None else None
+        s = len(self.rows[r][h]) - 1 if at is None else at
+        row = [self.rows[r][x][s] for x in others if x not in (r, h)]
+        return value > self.tail(row, self.step, self.share)
+
+
+def _rule(
+    noise: Noise,
     accept_at: Sequence[Sequence[float]],
     step: float,
     share: float,
-    alive: Sequence[int],
-) -> dict[int, list[bool]]:
-    """{held-out h: [rejected against r, for each other alive r]} under the rule at `share`
-    built from the alive runs without h."""
+    at_step: Sequence[Sequence[int | None]] | None,
+    tail: Tail,
+) -> _Rule:
+    runs = len(noise)
+    if any(len(row) != runs for row in noise) or len(accept_at) != runs:
+        raise ValueError("noise and accept_at must be K x K")
+    rows = _per_step(noise)
+    steps = len(rows[0][1 if runs > 1 else 0])
+    return _Rule(rows, accept_at, at_step, step, step_share(share, steps), tail)
+
+
+def _rejections(rule: _Rule, alive: Sequence[int]) -> dict[int, list[bool]]:
+    """{held-out h: [rejected against r, for each other alive r]} under the rule built from the
+    alive runs without h."""
     found: dict[int, list[bool]] = {h: [] for h in alive}
     for r in alive:
         for h in alive:
-            if h == r:
-                continue
-            tolerance = tail_tolerance(_row(noise, r, alive, h), step, share)
-            found[h].append(accept_at[r][h] > tolerance)
+            if h != r:
+                found[h].append(rule.rejects(r, h, alive))
     return found
 
 
 def measure(
-    noise: Sequence[Sequence[float]],
+    noise: Noise,
     accept_at: Sequence[Sequence[float]],
     step: float,
     share: float,
+    at_step: Sequence[Sequence[int | None]] | None = None,
+    tail: Tail = tail_tolerance,
 ) -> Measurement:
     """The rule's false-red rate on K runs (module doc, points 2 and 3). `noise[r][h]`: the
     worst difference of runs r and h by the agreement rule's measure (symmetric; what the
-    tolerance is built from); `accept_at[r][h]`: the least tolerance at which the suite's rule
-    accepts h against reference r (noise itself for the agreement rule). K >= MIN_RUNS_LEFT."""
+    tolerance is built from), a float, or a sequence per step (the token rule's measure over
+    the steps up to each: its per-step tolerances, each at step_share of `share`); `accept_at[r][h]`:
+    the value the suite's rule compares with the tolerance when judging h against reference r
+    (the noise itself for the agreement rule; the gap where they part for the token rule, 0 where
+    nothing can reject it); `at_step[r][h]`: the step whose tolerance judges it (default: the
+    last); `tail`: the tolerance of a row (tail_tolerance). K >= MIN_RUNS_LEFT."""
     runs = len(noise)
     if runs < MIN_RUNS_LEFT:
         raise ValueError(f"{runs} runs: leave-one-out needs at least {MIN_RUNS_LEFT}")
-    if any(len(row) != runs for row in noise) or len(accept_at) != runs:
-        raise ValueError("noise and accept_at must be K x K")
+    rule = _rule(noise, accept_at, step, share, at_step, tail)
     alive = list(range(runs))
-    first = _rejections(noise, accept_at, step, share, alive)
+    first = _rejections(rule, alive)
     rejected = sum(sum(v) for v in first.values())
     outliers: list[int] = []
     found = first
+    spread = [statistics.median(max(v) for v in row) for row in rule.rows]
     while len(alive) >= MIN_RUNS_LEFT:
         fraction = {h: sum(v) / len(v) for h, v in found.items()}
-        worst = max(alive, key=lambda h: (fraction[h], statistics.median(noise[h])))
+        worst = max(alive, key=lambda h: (fraction[h], spread[h]))
         if fraction[worst] < OUTLIER_FRACTION:
             break
         outliers.append(worst)
         alive.remove(worst)
         if len(alive) >= MIN_RUNS_LEFT:
-            found = _rejections(noise, accept_at, step, share, alive)
+            found = _rejections(rule, alive)
     return Measurement(
         runs=runs,
         judged=runs * (runs - 1),
@@ -263,13 +353,15 @@ def measure(
 
 
 def resampled_rate(
-    noise: Sequence[Sequence[float]],
+    noise: Noise,
     accept_at: Sequence[Sequence[float]],
     step: float,
     share: float,
     reference_runs: int,
     resamples: int = 20000,
     seed: int = 0,
+    at_step: Sequence[Sequence[int | None]] | None = None,
+    tail: Tail = tail_tolerance,
 ) -> float:
     """The rate of the rule built from `reference_runs` (n) runs: n of the K runs drawn at random
     (the first drawn is reference #1), one of the others held out and judged, `resamples` times
@@ -277,13 +369,13 @@ def resampled_rate(
     runs = len(noise)
     if not MIN_ROW + 1 <= reference_runs < runs:
         raise ValueError(f"{reference_runs} reference runs of {runs}: need 3 <= n < K")
+    rule = _rule(noise, accept_at, step, share, at_step, tail)
     draw = random.Random(seed)
     rejected = 0
     for _ in range(resamples):
         chosen = draw.sample(range(runs), reference_runs + 1)
-        r, h, others = chosen[0], chosen[-1], chosen[1:-1]
-        tolerance = tail_tolerance([noise[r][x] for x in others], step, share)
-        rejected += accept_at[r][h] > tolerance
+        r, h = chosen[0], chosen[-1]
+        rejected += rule.rejects(r, h, chosen[:-1])
     return rejected / resamples
 
 

@@ -9,12 +9,15 @@ The rule itself is compare's and false_red's (pure); this module only orders the
 records them, so that every suite (e2e repeat, offload warm run, MTP, DFlash2, PD) judges the
 same way and reports the same figures: NAME.reference_repeats, NAME.noise_pairs,
 NAME.noise_min / _median / _max (nats) and _steps (logit steps), NAME.logit_step,
-NAME.tolerance, NAME.false_red_share, NAME.median_margin_steps; per rule the comparison was
-judged by (agreement, tokens, tokens_along_path) NAME.false_red.RULE.rate, .judged, .rejected,
-.rejected_runs, .outliers, .rate_at_half (the rule from half the runs, resampled), .device; per
-run or control NAME.SLUG.worst_delta, .matched_tokens, .exceedance, .power, .deciding_step,
-.tokens_compared, .stopped_at; per compared path NAME.SLUG.path_thresholds, .path_p,
-.path_beyond_reference, .path_rejected. docs/verdicts.md explains them.
+NAME.tolerance, NAME.step_bounds (the token rule's per step), NAME.false_red_share,
+NAME.median_margin_steps; per rule the comparison was judged by (agreement, tokens,
+tokens_along_path) NAME.false_red.RULE.rate, .judged, .rejected, .rejected_runs, .outliers,
+.rate_at_half (the rule from half the runs, resampled), .device; per run judged by logprobs
+NAME.SLUG.worst_delta, .matched_tokens, .exceedance; per run judged by tokens
+NAME.SLUG.tokens_compared, .parted_at, .parting_gaps, .parting_bound, .step_deltas and
+.step_delta_max (recorded), .logprob_worst (a whole run's, recorded); per control .power,
+.control_delta, .deciding_step, .control_bound; per compared path NAME.SLUG.path_thresholds,
+.path_p, .path_beyond_reference, .path_rejected. docs/verdicts.md explains them.
 """
 
 from __future__ import annotations
@@ -79,7 +82,16 @@ def _nats(value: float) -> float | str:
 class Comparison:
     """One named comparison of a suite, with the noise it is judged against, the power its
     controls must reach, and (through repeated()) the reference runs the noise was measured on,
-    runs[0] being reference #1: the one runs under test are judged against."""
+    runs[0] being reference #1: the one runs under test are judged against.
+
+    What it judges follows what the engine guarantees (docs/verdicts.md): a comparison of one
+    step (prefill_step: the prefill's own output) judges logprobs against the tolerance; a
+    comparison of whole runs (repeated) judges tokens, equal wherever the reference is decisive
+    by its own noise up to each step, and records the logprob differences without judging them
+    (on the GPU decode steps have a tail no row of 29 runs bounds). agrees() and rejects() do
+    what the comparison judges; tokens_agree() / rejects_by_token() judge tokens on any
+    comparison (a drafter along its own path), rejects_by_logprobs() a control by the logprob
+    rule (what a bitwise verdict's control is measured against)."""
 
     name: str
     floor: NoiseFloor
@@ -92,6 +104,22 @@ class Comparison:
         default_factory=dict, compare=False, repr=False
     )
 
+    @property
+    def whole_run(self) -> bool:
+        """Judged by its tokens (runs of several steps), not by its logprobs (one step)."""
+        return self.floor.total > 1
+
+    @property
+    def bounds(self) -> tuple[float, ...]:
+        """The token rule's bound at each step (NoiseFloor.bounds)."""
+        return self.floor.bounds
+
+    def control_step(self, reference: Scored) -> int | None:
+        """Where a runner-up control is steered: the first step the reference wins by at least
+        min_power times the bound there with a token not chosen before (compare.decisive_step),
+        so that the control, rejected at that step, has the power the profile asks for."""
+        return compare.decisive_step(reference, self.bounds, self.min_power)
+
     def _label(self, names: tuple[str, str]) -> str:
         """The figures' and outputs' name for the run or control `names[1]`."""
         return f"{self.name}.{_slug(names[1])}"
@@ -101,18 +129,26 @@ class Comparison:
         a suite judging against another output (PD's mid-block prompt) gets no measurement."""
         return bool(self.runs) and _same(reference, self.runs[0])
 
-    def _accept_at(self, rule: str) -> list[list[float]]:
-        noise = self.floor.matrix()
+    def _rule_inputs(
+        self, rule: str
+    ) -> tuple[list[list[Any]], list[list[float]], list[list[int | None]] | None]:
+        """What false_red.measure replays the rule on: the noise per pair (per step for the
+        token rules), the value each held-out run is judged by against each reference, and the
+        step whose tolerance judges it."""
         if rule == AGREEMENT:
-            return noise
+            noise = self.floor.matrix()
+            return list(noise), noise, None
         along = rule == TOKENS_ALONG_PATH
-        return [
+        found = [
             [
-                0.0 if r == h else compare.token_threshold(a, b, along).value
+                Threshold(0.0, None) if r == h else compare.token_threshold(a, b, along)
                 for h, b in enumerate(self.runs)
             ]
             for r, a in enumerate(self.runs)
         ]
+        values = [[t.value for t in row] for row in found]
+        steps = [[t.step for t in row] for row in found]
+        return list(self.floor.matrix_steps()), values, steps
 
     def measure_false_red(self, rule: str = AGREEMENT) -> false_red.Measurement | None:
         """The rule's false-red rate on the reference runs (false_red.measure), measured and
@@ -122,8 +158,9 @@ class Comparison:
         found = None
         prefix = f"{self.name}.false_red.{rule}"
         if len(self.runs) >= false_red.MIN_RUNS_LEFT:
-            noise, accept = self.floor.matrix(), self._accept_at(rule)
-            found = false_red.measure(noise, accept, self.floor.step, self.floor.share)
+            noise, accept, at = self._rule_inputs(rule)
+            step, share = self.floor.step, self.floor.share
+            found = false_red.measure(noise, accept, step, share, at)
             print(f"{self.name}: false red ({rule}): {found.describe()}")
             record_figure(f"{prefix}.rate", round(found.rate, 6), limit=found.share, relation="<=")
             record_figure(f"{prefix}.judged", found.judged, unit="judgements")
@@ -134,9 +171,7 @@ class Comparison:
             )
             half = max(false_red.MIN_ROW + 1, len(self.runs) // 2)
             if half < len(self.runs) - 1:
-                rate = false_red.resampled_rate(
-                    noise, accept, self.floor.step, self.floor.share, half
-                )
+                rate = false_red.resampled_rate(noise, accept, step, share, half, at_step=at)
                 record_figure(f"{prefix}.rate_at_half", round(rate, 6), unit=f"{half} runs")
             record_figure(f"{prefix}.device", _DEVICE.get("model", "unknown"))
         else:
@@ -157,8 +192,8 @@ class Comparison:
     def _paths(
         self, rule: str, reference: Scored, path_runs: Sequence[Scored], names: tuple[str, str]
     ) -> false_red.PathComparison | None:
-        """The compared path's runs against the reference path's own (recorded, a finding when
-        shifted); None without both."""
+        """The compared path's runs against the reference path's own, by `rule`'s measure
+        (recorded, a finding when shifted); None without both."""
         if not path_runs or not self._is_reference(reference):
             return None
         label = self._label(names)
@@ -181,12 +216,11 @@ class Comparison:
         record_figure(f"{label}.path_rejected", found.rejected, unit="runs")
         return found
 
-    def _record_run(self, label: str, threshold: Threshold) -> None:
+    def _exceedance(self, label: str, threshold: Threshold, judged: bool) -> None:
         if self.floor.runs >= 3 and not math.isinf(threshold.value):
             tail = false_red.exceedance(self.floor.row, threshold.value, self.floor.step)
-            record_figure(
-                f"{label}.exceedance", round(tail, 6), limit=self.floor.share, relation=">"
-            )
+            limit: dict[str, Any] = {"limit": self.floor.share, "relation": ">"} if judged else {}
+            record_figure(f"{label}.exceedance", round(tail, 6), **limit)
 
     def agrees(
         self,
@@ -194,17 +228,43 @@ class Comparison:
         run: Scored,
         names: tuple[str, str],
         path_runs: Sequence[Scored] = (),
+    ) -> Agreement | TokenAgreement:
+        """`run` must agree with `reference` in what the comparison judges: at one step, every
+        logprob within the tolerance (agrees_by_logprobs); over whole runs, the tokens
+        (tokens_agree), with the logprob differences recorded and `path_runs` compared with the
+        reference path's own by them (a noisier path is a finding, shown, not judged)."""
+        if not self.whole_run:
+            return self.agrees_by_logprobs(reference, run, names, path_runs)
+        label = self._label(names)
+        threshold = compare.agreement_threshold(reference, run)
+        record_figure(f"{label}.logprob_worst", _nats(threshold.value), unit="nats")
+        self._exceedance(label, threshold, judged=False)
+        paths = self._paths(AGREEMENT, reference, path_runs, names)
+        print(
+            f"{self.name}: {names[1]}'s worst logprob difference {_nats(threshold.value)} nats "
+            f"at step {threshold.step} (recorded, not judged: tolerance {self.floor.tolerance:.4f}"
+            " over the whole run, whose tail the reference runs cannot bound)"
+        )
+        return self._judge_tokens(reference, run, names, False, paths)
+
+    def agrees_by_logprobs(
+        self,
+        reference: Scored,
+        run: Scored,
+        names: tuple[str, str],
+        path_runs: Sequence[Scored] = (),
     ) -> Agreement:
-        """`run` must agree with `reference` under the floor's tolerance. The rule's false-red
-        rate is measured first (when `reference` is reference #1), `path_runs` (more runs of
-        the run's own path) compared with the reference path's; a failure says both, and a
-        measurement that proves the rule over its share fails the comparison (FalseRedBound)."""
+        """`run` must agree with `reference` under the floor's tolerance (compare.
+        check_agreement). The rule's false-red rate is measured first (when `reference` is
+        reference #1), `path_runs` (more runs of the run's own path) compared with the reference
+        path's; a failure says both, and a measurement that proves the rule over its share fails
+        the comparison (FalseRedBound)."""
         label = self._label(names)
         record_outputs(label, [run])
         measured = self.measure_false_red(AGREEMENT) if self._is_reference(reference) else None
         paths = self._paths(AGREEMENT, reference, path_runs, names)
         threshold = compare.agreement_threshold(reference, run)
-        self._record_run(label, threshold)
+        self._exceedance(label, threshold, judged=True)
         try:
             agreement = compare.check_agreement(reference, run, self.floor, names)
         except AssertionError as failed:
@@ -233,18 +293,21 @@ class Comparison:
     def power(
         self, reference: Scored, control: Scored, names: tuple[str, str], rule: str = AGREEMENT
     ) -> float:
-        """The least tolerance at which the rule would accept the control (compare.
-        agreement_threshold, or token_threshold for rule TOKENS), over the tolerance: the
-        control stays rejected under a tolerance that many times wider, at the step that then
-        decides (recorded). Printed and recorded, and at least the profile's min_power, or an
+        """How far the rule (AGREEMENT: the logprob rule under the tolerance; TOKENS: the token
+        rule under the bounds) keeps rejecting the control: what the bound at the step that
+        decides must cover for the control to pass (compare.agreement_threshold, or
+        token_threshold: the gap where it parts), over that bound. Printed and recorded with
+        the deciding step and its bound, and at least the profile's min_power, or an
         AssertionError that says to raise the signal."""
-        threshold = (
-            compare.agreement_threshold(reference, control)
-            if rule == AGREEMENT
-            else compare.token_threshold(reference, control)
-        )
-        tolerance = self.floor.tolerance
-        power = threshold.power(tolerance)
+        if rule == AGREEMENT:
+            threshold = compare.agreement_threshold(reference, control)
+            bound = self.floor.tolerance
+            power = threshold.power(bound)
+        else:
+            threshold = compare.token_threshold(reference, control)
+            at = threshold.step if threshold.step is not None else 0
+            bound = self.bounds[at]
+            power = threshold.power_at(self.bounds)
         label = self._label(names)
         shown = (
             "inf (a token the other side did not score: no tolerance accepts it)"
@@ -252,21 +315,22 @@ class Comparison:
             else f"{threshold.value:.4f}"
         )
         print(
-            f"{self.name}: the control {names[1]!r}: accepted only from {shown} / tolerance "
-            f"{tolerance:.4f} = power {power:.2f} at step {threshold.step} (at least "
+            f"{self.name}: the control {names[1]!r}: accepted only from {shown} / bound "
+            f"{bound:.4f} = power {power:.2f} at step {threshold.step} (at least "
             f"{self.min_power:g})"
         )
         record_figure(f"{label}.control_delta", _nats(threshold.value), unit="nats")
         record_figure(f"{label}.power", _power_figure(power), limit=self.min_power, relation=">=")
         record_figure(f"{label}.deciding_step", threshold.step, unit="step")
+        record_figure(f"{label}.control_bound", round(bound, 6), unit="nats")
         # Its worst difference by the agreement measure, whatever decided it.
         worst = compare.unbounded_worst(reference, control)
         record_figure(f"{label}.control_worst_delta", _nats(worst), unit="nats")
         if not power >= self.min_power:
             raise NoPower(
-                f"{self.name}: the control {names[1]!r} is only {power:.2f}x the tolerance at "
-                f"the step that decides, {threshold.step} (accepted from {threshold.value:.4f}, "
-                f"tolerance {tolerance:.4f}; {self.floor.describe()}), below the bar of "
+                f"{self.name}: the control {names[1]!r} is only {power:.2f}x the bound at the "
+                f"step that decides, {threshold.step} (accepted from {threshold.value:.4f}, "
+                f"bound {bound:.4f}; {self.floor.describe()}), below the bar of "
                 f"{self.min_power:g}x: raise the signal (weights under which the guarded defect "
                 "moves the output far beyond rounding, a control that differs in more of what "
                 "the test guards, or a stronger comparison), never narrow the tolerance below "
@@ -275,8 +339,17 @@ class Comparison:
         return power
 
     def rejects(self, reference: Scored, control: Scored, names: tuple[str, str]) -> str:
-        """The negative control must fail the same rule, with at least min_power; returns why it
-        failed."""
+        """The negative control must fail what the comparison judges (by its tokens over whole
+        runs, by its logprobs at one step), with at least min_power; returns why it failed."""
+        if self.whole_run:
+            return self.rejects_by_token(reference, control, names)
+        return self.rejects_by_logprobs(reference, control, names)
+
+    def rejects_by_logprobs(
+        self, reference: Scored, control: Scored, names: tuple[str, str]
+    ) -> str:
+        """The negative control must fail the logprob rule under the tolerance, with at least
+        min_power; returns why it failed."""
         record_outputs(self._label(names), [control])
         reason = compare.check_rejected(reference, control, self.floor, names)
         print(f"{self.name}: the control {names[1]!r} is rejected: {reason}")
@@ -293,26 +366,34 @@ class Comparison:
         path_runs: Sequence[Scored] = (),
     ) -> TokenAgreement:
         """`run` (along another path: a cached boundary, a drafter's verification) chooses the
-        reference's tokens at every decisive step (compare.check_tokens_while_decisive under the
-        floor's tolerance; with `along_path`, a drafter's, also above the differences the two
-        runs showed on the same tokens before); printed and recorded, with the per-step logprob
-        differences over the compared steps as a distribution (recorded, not judged). The
-        token rule's false-red rate is measured on the reference runs first, and `path_runs`
-        compared with them, as in agrees()."""
-        tolerance = self.floor.tolerance
+        reference's tokens until they first part at a near-tie within the bound of that step
+        (compare.check_tokens under the floor's bounds; with `along_path`, a drafter's, also
+        above the differences the two runs showed on the same tokens before); printed and
+        recorded, with the per-step logprob differences over the equal steps as a distribution
+        (recorded, not judged). The token rule's false-red rate is measured on the reference
+        runs first, and `path_runs` compared with them, as in agrees_by_logprobs()."""
+        rule = TOKENS_ALONG_PATH if along_path else TOKENS
+        paths = self._paths(rule, reference, path_runs, names)
+        return self._judge_tokens(reference, run, names, along_path, paths)
+
+    def _judge_tokens(
+        self,
+        reference: Scored,
+        run: Scored,
+        names: tuple[str, str],
+        along_path: bool,
+        paths: false_red.PathComparison | None,
+    ) -> TokenAgreement:
         label = self._label(names)
         record_outputs(label, [run])
         rule = TOKENS_ALONG_PATH if along_path else TOKENS
         measured = self.measure_false_red(rule) if self._is_reference(reference) else None
-        paths = self._paths(rule, reference, path_runs, names)
         try:
-            found = compare.check_tokens_while_decisive(
-                reference, run, tolerance, names, along_path=along_path
-            )
+            found = compare.check_tokens(reference, run, self.bounds, names, along_path=along_path)
         except AssertionError as failed:
             record_figure(f"{label}.token_mismatch", str(failed).split("\n")[0][:300])
-            # The differences up to the parting (the same tokens before it): evidence for
-            # telling a path's rounding from a defect.
+            # The differences up to and with the parting step (the same tokens before it):
+            # evidence for telling a path's rounding from a defect.
             steps = min(
                 compare.equal_prefix(reference, run) + 1,
                 len(reference.token_ids),
@@ -324,22 +405,12 @@ class Comparison:
                 unit="nats",
             )
             raise AssertionError(f"{failed}{_context(measured, paths)}") from None
-        print(f"{self.name}: {names[0]} vs {names[1]}: {found.describe(tolerance)}")
-        if found.bar is not None:
-            record_figure(f"{label}.path_bar", round(found.bar, 6), unit="nats")
+        print(f"{self.name}: {names[0]} vs {names[1]}: {found.describe()}")
         record_figure(f"{label}.tokens_compared", found.compared, limit=found.total, unit="tokens")
-        if found.stopped_at is not None and found.stop_margin is not None:
-            record_figure(f"{label}.stopped_at", found.stopped_at, unit="step")
-            record_figure(
-                f"{label}.stop_reason",
-                f"the reference's margin {found.stop_margin:.6f} at step {found.stopped_at} is "
-                f"within the tolerance {tolerance:.6f}"
-                + (
-                    f" or the paths' own difference before it {found.bar:.6f}"
-                    if found.bar is not None
-                    else ""
-                ),
-            )
+        if found.parted_at is not None and found.gaps is not None and found.bound is not None:
+            record_figure(f"{label}.parted_at", found.parted_at, unit="step")
+            record_figure(f"{label}.parting_gaps", [round(g, 6) for g in found.gaps])
+            record_figure(f"{label}.parting_bound", round(found.bound, 6), unit="nats")
         deltas = compare.step_deltas(reference, run, found.compared)
         if deltas:
             step = self.floor.step
@@ -361,21 +432,19 @@ class Comparison:
         return found
 
     def rejects_by_token(self, reference: Scored, control: Scored, names: tuple[str, str]) -> str:
-        """The control (the reference's runner-up taken at a decisive step) must fail
-        tokens_agree's rule, and its power (by that rule) must reach min_power; returns why it
-        failed."""
+        """The control (the reference's runner-up taken at a decisive step; a stale block over a
+        whole run) must fail the token rule under the bounds, and its power by that rule must
+        reach min_power; returns why it failed."""
         record_outputs(self._label(names), [control])
         try:
-            found = compare.check_tokens_while_decisive(
-                reference, control, self.floor.tolerance, names
-            )
+            found = compare.check_tokens(reference, control, self.bounds, names)
         except AssertionError as failed:
             reason = str(failed).split("\n")[0]
         else:
             raise NoPower(
                 f"{self.name}: the negative control {names[1]!r} passes the token rule against "
-                f"{names[0]!r} ({found.describe(self.floor.tolerance)}): the check cannot tell "
-                "a changed token from noise"
+                f"{names[0]!r} ({found.describe()}): the check cannot tell a changed token from "
+                "noise"
             )
         print(f"{self.name}: the control {names[1]!r} is rejected by its token: {reason}")
         record_figure(f"{self.name}.control_rejected", reason[:300])
@@ -418,6 +487,9 @@ def _record_floor(name: str, floor: NoiseFloor) -> None:
     )
     record_figure(f"{name}.false_red_share", floor.share)
     record_figure(f"{name}.reference_row", [round(v, 6) for v in floor.row], unit="nats")
+    if floor.total > 1:
+        # The token rule's bound per step (what a whole run is judged by).
+        record_figure(f"{name}.step_bounds", [_nats(b) for b in floor.bounds], unit="nats")
 
 
 def _check_decisive(name: str, output: Scored, what: str, step: float, minimum: float) -> None:
@@ -518,10 +590,12 @@ def prefill_step(
     alone, the prefill's own output: the noise of that step as a distribution over every pair,
     the tolerance from it as in repeated() with `step`, the logit step read off the whole runs,
     and the profile's min_power for its controls. What a wrong prefix-cache state changes first
-    is this step; the decode steps after it add noise of their own (on the H200 the sparse
-    indexer's top-k at every step), which a comparison of the whole run must allow for."""
+    is this step; the decode steps after it add noise of their own (on the H100 a run in 20 to
+    30 jumps by 0.3 to 0.5 nats at a decode step), which is why logprobs are judged here and
+    the whole run by its tokens (docs/verdicts.md)."""
     names = [f"{names_prefix} #{i + 1}" for i in range(len(runs))]
     firsts = [first_step(r) for r in runs]
+    record_outputs(f"{name}.{_slug(names_prefix)}", firsts)
     share = false_red.Budget.of(tolerances).share
     floor = dataclasses.replace(compare.noise_spread(firsts, names, share), step=step)
     _record_floor(name, floor)
@@ -531,18 +605,26 @@ def prefill_step(
 def runner_up_control(
     engine: Any, prompt: list[int], max_tokens: int, reference: Scored, comparison: Comparison
 ) -> Scored:
-    """The reference request steered (logit_bias) off its own choice at its first decisive step,
-    so that it takes the runner-up there: what a drafted token accepted against the target's
-    greedy choice amounts to (a broken verification). Its logprobs stay vLLM's raw ones."""
-    tolerance = comparison.floor.tolerance
-    step = compare.decisive_step(reference, tolerance)
+    """The reference request steered (logit_bias) off its own choice at the first step it wins
+    by at least min_power times the bound there (Comparison.control_step), so that it takes the
+    runner-up there: what a drafted token accepted against the target's greedy choice amounts
+    to (a broken verification), rejected by the token rule with that power at that step. Its
+    logprobs stay vLLM's raw ones."""
+    step = comparison.control_step(reference)
     assert step is not None, (
-        f"{comparison.name}: no step of the reference before its first within the noise wins by "
-        f"more than the tolerance {tolerance:.4f} with a token it had not chosen before: no "
-        "control can be told apart from noise"
+        f"{comparison.name}: no step of the reference wins by {comparison.min_power:g}x the "
+        "bound of its own noise there with a token it had not chosen before: no control can be "
+        f"told apart from noise with that power (bounds {[round(b, 4) for b in comparison.bounds]}"
+        f", margins {[round(m, 4) for m in compare.margins(reference)]})"
     )
     token = reference.token_ids[step]
-    print(f"{comparison.name}: control takes the runner-up at step {step} (not {token})")
+    margin, bound = compare.margins(reference)[step], comparison.bounds[step]
+    print(
+        f"{comparison.name}: control takes the runner-up at step {step} (not {token}: it wins "
+        f"by {margin:.4f}, {margin / bound:.1f}x the bound {bound:.4f} there)"
+    )
     record_figure(f"{comparison.name}.control_step", step)
+    record_figure(f"{comparison.name}.control_step_margin", round(margin, 6), unit="nats")
+    record_figure(f"{comparison.name}.control_step_bound", round(bound, 6), unit="nats")
     assert engine.reset_prefix_cache(), "reset refused"
     return engine.generate_scored(prompt, max_tokens, TOP_LOGPROBS, logit_bias={token: -100.0})

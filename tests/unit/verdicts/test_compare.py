@@ -129,7 +129,8 @@ def test_two_runs_extrapolate_far_and_more_runs_less() -> None:
     assert floor.tolerance > 100 * STEP
     runs = [greedy(nudged(logits, k % 2)) for k in range(30)]
     many = compare.noise_spread(runs, [f"r{i}" for i in range(30)], 0.0005)
-    assert many.tolerance < 3 * STEP
+    # (the row's upper half is one tied value: each counted half a step above the threshold)
+    assert many.tolerance < 8 * STEP < floor.tolerance / 10
 
 
 def test_the_tolerance_is_reference_one_s_row_with_its_tail() -> None:
@@ -250,17 +251,76 @@ def test_margins_and_decisiveness() -> None:
         compare.check_decisive(out, STEP, 49, "out")
 
 
-def test_decisive_step_stops_where_the_token_rule_stops() -> None:
+def test_decisive_step_reaches_min_power_times_the_bound_with_a_new_token() -> None:
     out = scored(
         [1, 1, 5, 9],
         [{1: -0.1, 2: -2.0}, {1: -0.1, 2: -2.0}, {5: -0.5, 6: -0.5}, {9: -0.1, 3: -3.0}],
     )
     assert compare.decisive_step(out, STEP) == 0
-    # Step 0 is a tie: the token rule stops there, so the decisive step 1 after it is no control.
+    # Step 0 wins by 1.9, short of twice a bound of 1.0; step 1 repeats its token (a bias
+    # against it would steer step 0 too), step 2 is a tie: step 3 wins by 2.9.
+    assert compare.decisive_step(out, 1.0, min_power=2.0) == 3
+    # Bounds per step: a small bound at step 0 puts it first again.
+    assert compare.decisive_step(out, [0.5, 1.0, 1.0, 1.0], min_power=2.0) == 0
+    # Unlike the rule that stopped at the first step within the noise, a tie does not end the
+    # search: the token rule walks on while the tokens are equal.
     later = scored(out.token_ids[2:], list(out.top_logprobs[2:]))
-    assert compare.margins(later)[1] > STEP
-    assert compare.decisive_step(later, STEP) is None
-    assert compare.decisive_step(out, 5.0) is None  # no margin beats a tolerance of 5
+    assert compare.decisive_step(later, STEP) == 1
+    assert compare.decisive_step(out, 5.0) is None  # no margin beats a bound of 5
+
+
+# --- accumulated_spread and the bounds per step -------------------------------------------------
+
+
+def test_accumulated_spread_grows_step_by_step_and_stops_at_a_parting() -> None:
+    a = scored(
+        [1, 5, 9, 4],
+        [{1: -0.5, 2: -2.0}, {5: -1.0, 6: -1.1}, {9: -1.0, 3: -1.02}, {4: -0.1}],
+    )
+    b = scored(
+        [1, 5, 3, 7],
+        [{1: -0.5, 2: -2.25}, {5: -1.0, 6: -1.0}, {3: -1.0, 9: -1.01}, {7: -0.1, 4: -0.9}],
+    )
+    found = compare.accumulated_spread(a, b)
+    # Token 2 moved by 0.25 against token 1 at step 0; at the parting at step 2 the two gaps
+    # (0.02 and 0.01) sum to the spread there, 0.03; nothing is compared after it.
+    assert found == pytest.approx([0.25, 0.25, 0.25, 0.25])
+    parting = compare.first_parting(a, b)
+    assert parting is not None and parting.step == 2
+    assert sum(parting.gaps) == pytest.approx(0.03)
+    # A shift common to every candidate (the log-sum-exp's) moves no token: no spread.
+    shifted = scored(
+        list(a.token_ids), [{t: v - 0.3 for t, v in top.items()} for top in a.top_logprobs]
+    )
+    assert compare.accumulated_spread(a, shifted) == pytest.approx([0.0] * 4)
+    assert compare.unbounded_worst(a, shifted) == pytest.approx(0.3)
+    c = scored([1, 5, 8, 4], [{1: -0.5, 2: -2.0}, {5: -1.0, 6: -1.1}, {8: -0.9}, {4: -0.1}])
+    # c parts at step 2 at a token a did not score: no gap, inf from there.
+    assert compare.accumulated_spread(a, c) == [0.0, 0.0, math.inf, math.inf]
+    assert compare.accumulated_spread(a, scored([1], [{1: -0.5}]))[1:] == [math.inf] * 3
+
+
+def test_early_steps_are_bounded_by_their_own_smaller_noise() -> None:
+    """30 runs bitwise at their first six steps and a step or two apart after: the bounds of
+    the first steps are one logit step, those after wider, every step's the tail tolerance of
+    reference #1's spreads up to it at its share of the comparison's."""
+    logits = model_logits(1, lead=DECISIVE)
+    runs = [greedy(logits[:6] + nudged(logits[6:], k % 3)) for k in range(30)]
+    floor = compare.noise_spread(runs, [f"r{i}" for i in range(30)], 0.0005)
+    assert floor.bounds[:6] == (STEP,) * 6
+    assert all(b > 2 * STEP for b in floor.bounds[6:])
+    assert list(floor.bounds) == false_red.step_bounds(floor.row_steps, STEP, 0.0005)
+    assert floor.row_steps[-1] == [compare.accumulated_spread(runs[0], r)[-1] for r in runs[1:]]
+    assert floor.matrix_steps()[2][5] == tuple(compare.accumulated_spread(runs[2], runs[5]))
+    # A one-step floor's bound is its tolerance; a hand-built floor's every bound too.
+    first = compare.noise_spread([judge_first(r) for r in runs], ["r"] * 30, 0.0005)
+    assert first.bounds == (first.tolerance,)
+    hand = compare.NoiseFloor((0.1,), STEP, runs=2, least_matched=3, total=3, share=0.0005)
+    assert hand.bounds == (hand.tolerance,) * 3
+
+
+def judge_first(run: compare.GreedyOutput) -> compare.GreedyOutput:
+    return compare.GreedyOutput([run.token_ids[0]], [run.logprobs[0]], [run.top_logprobs[0]])
 
 
 # --- control_delta: the power's numerator ------------------------------------------------------
@@ -328,19 +388,19 @@ def test_check_exact_names_the_first_difference(change: str, message: str) -> No
         compare.check_exact(a, b, ("P alone", "P->D"))
 
 
-# --- check_tokens_while_decisive --------------------------------------------------------------
+# --- check_tokens -------------------------------------------------------------------------------
 
 
-def test_tokens_equal_while_decisive_pass_whatever_the_logprobs() -> None:
+def test_tokens_equal_pass_whatever_the_logprobs() -> None:
     """A run along another path: same tokens, logprobs 40 steps off (what no tolerance from
     the noise would accept): the token rule passes it, over every step."""
     logits = model_logits(1, lead=DECISIVE)
     reference = greedy(logits)
     drafted = greedy(nudged(logits, 40, every=7))
     assert drafted.token_ids == reference.token_ids
-    found = compare.check_tokens_while_decisive(reference, drafted, STEP, ("target", "MTP"))
-    assert found == compare.TokenAgreement(12, 12, None, None)
-    assert found.describe(STEP) == "12 of 12 tokens compared, all equal"
+    found = compare.check_tokens(reference, drafted, STEP, ("target", "MTP"))
+    assert found == compare.TokenAgreement(12, 12)
+    assert found.describe() == "12 of 12 tokens equal"
     deltas = compare.step_deltas(reference, drafted, found.compared)
     assert len(deltas) == 12 and 30 * STEP < max(deltas) <= 40 * STEP
 
@@ -350,36 +410,70 @@ def test_a_token_changed_at_a_decisive_step_fails() -> None:
     reference = greedy(logits)
     changed = [list(row) for row in logits]
     winner = reference.token_ids[5]
-    changed[5][winner] -= 10.0  # the runner-up wins step 5
+    # The runner-up wins step 5 by 0.1, the winner still among the candidates.
+    changed[5][winner] -= compare.margins(reference)[5] + 0.1
     control = greedy(changed)
     assert control.token_ids[:5] == reference.token_ids[:5]
     with pytest.raises(
-        AssertionError, match=r"step 5: target chose \d+, MTP \d+, where target wins"
+        AssertionError, match=r"step 5: target chose \d+, MTP \d+, where target wins by"
     ):
-        compare.check_tokens_while_decisive(reference, control, STEP, ("target", "MTP"))
+        compare.check_tokens(reference, control, STEP, ("target", "MTP"))
+    # Where the winner falls out of the run's candidates, no gap can be measured: no near-tie.
+    changed[5][winner] -= 10.0
+    with pytest.raises(AssertionError, match="a token the other side did not score"):
+        compare.check_tokens(reference, greedy(changed), STEP, ("target", "MTP"))
 
 
-def test_the_comparison_stops_at_the_first_step_within_the_noise() -> None:
+def test_a_parting_at_a_near_tie_within_its_steps_bound_ends_the_comparison() -> None:
     near = {5: -1.0, 6: -1.0 - STEP, 7: -3.0}  # the reference wins step 1 by one step
     reference = scored([1, 5, 9], [{1: -0.5, 2: -2.0}, near, {9: -0.1, 3: -2.0}])
     # The run takes the other side of the near-tie, and then goes its own way.
     other = scored([1, 6, 3], [{1: -0.5, 2: -2.0}, {6: -1.0, 5: -1.0}, {3: -0.1, 9: -2.0}])
-    found = compare.check_tokens_while_decisive(reference, other, 2 * STEP, ("target", "MTP"))
-    assert (found.compared, found.total, found.stopped_at) == (1, 3, 1)
-    assert found.stop_margin == pytest.approx(STEP)
-    assert "stopped at step 1" in found.describe(2 * STEP)
-    # Under a tolerance below that margin, step 1 is decisive and the run fails there.
+    found = compare.check_tokens(reference, other, 2 * STEP, ("target", "MTP"))
+    assert (found.compared, found.total, found.parted_at, found.bound) == (1, 3, 1, 2 * STEP)
+    assert found.gaps == pytest.approx((STEP, 0.0))
+    assert "they part at step 1 at a near-tie" in found.describe()
+    # Under a bound below that margin, step 1 is decisive and the run fails there.
     with pytest.raises(AssertionError, match="step 1: target chose 5, MTP 6"):
-        compare.check_tokens_while_decisive(reference, other, STEP / 2, ("target", "MTP"))
+        compare.check_tokens(reference, other, STEP / 2, ("target", "MTP"))
+    # Each step has its own bound: the parting's step decides.
+    compare.check_tokens(reference, other, [STEP / 2, 2 * STEP, STEP / 2], ("target", "MTP"))
+    with pytest.raises(AssertionError, match="step 1"):
+        compare.check_tokens(reference, other, [2.0, STEP / 2, 2.0], ("target", "MTP"))
 
 
-def test_the_token_rule_refuses_a_short_run_and_a_negative_tolerance() -> None:
-    reference = greedy(model_logits(1, lead=DECISIVE))
-    short = scored(list(reference.token_ids[:4]), list(reference.top_logprobs[:4]))
-    with pytest.raises(AssertionError, match="MTP has 4 tokens; target's step 4 is decisive"):
-        compare.check_tokens_while_decisive(reference, short, STEP, ("target", "MTP"))
+def test_the_rule_walks_past_a_near_tie_the_run_chose_alike() -> None:
+    """The reference wins step 1 by one step only, and the run chooses the same there: its
+    inputs stay the reference's, so step 2, won by 2 nats, still binds it (the rule that
+    stopped at the first step within the noise compared nothing after step 1)."""
+    near = {5: -1.0, 6: -1.0 - STEP}
+    reference = scored([1, 5, 9], [{1: -0.5, 2: -2.0}, near, {9: -0.1, 3: -2.1}])
+    run = scored([1, 5, 3], [{1: -0.5, 2: -2.0}, near, {3: -0.1, 9: -2.1}])
+    with pytest.raises(AssertionError, match="step 2: target chose 9, run 3"):
+        compare.check_tokens(reference, run, 2 * STEP, ("target", "run"))
+
+
+@pytest.mark.parametrize(
+    ("run", "message"),
+    [
+        (scored([1, 8], [{1: -0.5, 2: -2.0}, {8: -0.9, 5: -1.0}]), "a token the other side"),
+        (scored([1], [{1: -0.5, 2: -2.0}]), "run has 1 tokens; target has 2"),
+    ],
+)
+def test_the_token_rule_refuses_an_unscored_token_and_a_short_run(
+    run: compare.GreedyOutput, message: str
+) -> None:
+    reference = scored([1, 5], [{1: -0.5, 2: -2.0}, {5: -1.0, 6: -1.0}])
+    with pytest.raises(AssertionError, match=message):
+        compare.check_tokens(reference, run, 10.0, ("target", "run"))
+    assert compare.token_threshold(reference, run).value == math.inf
+
+
+def test_the_token_rule_refuses_a_negative_bound() -> None:
+    reference = scored([1, 5], [{1: -0.5, 2: -2.0}, {5: -1.0, 6: -1.0}])
+    other = scored([1, 6], [{1: -0.5, 2: -2.0}, {6: -1.0, 5: -1.0}])
     with pytest.raises(ValueError, match="must be >= 0"):
-        compare.check_tokens_while_decisive(reference, reference, -1.0, ("a", "b"))
+        compare.check_tokens(reference, other, -1.0, ("a", "b"))
 
 
 def test_along_a_path_the_bar_is_what_the_paths_moved_the_scores_by_before() -> None:
@@ -400,13 +494,11 @@ def test_along_a_path_the_bar_is_what_the_paths_moved_the_scores_by_before() -> 
         ],
     )
     with pytest.raises(AssertionError, match="step 2: target chose 5, MTP 6"):
-        compare.check_tokens_while_decisive(reference, drafted, STEP, ("target", "MTP"))
-    found = compare.check_tokens_while_decisive(
-        reference, drafted, STEP, ("target", "MTP"), along_path=True
-    )
-    assert (found.compared, found.stopped_at) == (2, 2)
-    assert found.bar == pytest.approx(3 * STEP)
-    assert "the paths' own difference 0.0938" in found.describe(STEP)
+        compare.check_tokens(reference, drafted, STEP, ("target", "MTP"))
+    found = compare.check_tokens(reference, drafted, STEP, ("target", "MTP"), along_path=True)
+    assert (found.compared, found.parted_at) == (2, 2)
+    assert found.bound == pytest.approx(3 * STEP)
+    assert "<= 0.0938" in found.describe()
 
 
 def test_along_a_path_a_jump_at_the_parting_step_itself_is_not_excused() -> None:
@@ -417,13 +509,9 @@ def test_along_a_path_a_jump_at_the_parting_step_itself_is_not_excused() -> None
     reference = scored([1, 1, 5], [*before, {5: -1.0, 6: -1.0 - 2 * STEP, 7: -4.0}])
     jumped = scored([1, 1, 6], [*before, {6: -1.0 + 6 * STEP, 5: -1.0, 7: -4.0}])
     with pytest.raises(AssertionError, match="step 2: target chose 5, MTP 6"):
-        compare.check_tokens_while_decisive(
-            reference, jumped, STEP, ("target", "MTP"), along_path=True
-        )
-    same = compare.check_tokens_while_decisive(
-        reference, reference, STEP, ("target", "MTP"), along_path=True
-    )
-    assert same == compare.TokenAgreement(3, 3, None, None) and same.bar is None
+        compare.check_tokens(reference, jumped, STEP, ("target", "MTP"), along_path=True)
+    same = compare.check_tokens(reference, reference, STEP, ("target", "MTP"), along_path=True)
+    assert same == compare.TokenAgreement(3, 3)
 
 
 def test_equal_prefix_counts_the_shared_leading_tokens() -> None:
@@ -467,7 +555,7 @@ def test_the_agreement_threshold_is_where_the_rule_starts_to_accept() -> None:
 
 
 @pytest.mark.parametrize("along_path", [False, True])
-def test_the_token_threshold_is_where_the_token_rule_starts_to_accept(along_path: bool) -> None:
+def test_the_token_threshold_is_what_the_bound_must_cover(along_path: bool) -> None:
     rng = random.Random(8 + along_path)
     failing = 0
     for _ in range(300):
@@ -476,15 +564,14 @@ def test_the_token_threshold_is_where_the_token_rule_starts_to_accept(along_path
         names = ("a", "b")
         if math.isinf(found.value):
             with pytest.raises(AssertionError):
-                compare.check_tokens_while_decisive(reference, run, 1e9, names, along_path)
+                compare.check_tokens(reference, run, 1e9, names, along_path)
             continue
-        compare.check_tokens_while_decisive(reference, run, found.value, names, along_path)
+        compare.check_tokens(reference, run, found.value, names, along_path)
         if found.value > 0:
             failing += 1
+            assert found.step == compare.equal_prefix(reference, run)
             with pytest.raises(AssertionError, match="decisive step"):
-                compare.check_tokens_while_decisive(
-                    reference, run, found.value * (1 - 1e-9), names, along_path
-                )
+                compare.check_tokens(reference, run, found.value * (1 - 1e-9), names, along_path)
     assert failing > 10
 
 
@@ -497,4 +584,6 @@ def test_a_threshold_s_power_and_deciding_step() -> None:
     assert found.power(0.1) == pytest.approx(5.3)
     assert compare.Threshold(math.inf, 0).power(0.1) == math.inf
     tokens = compare.token_threshold(a, b)
-    assert tokens.step == 1 and tokens.value == pytest.approx(0.5)  # the margin there
+    assert tokens.step == 1 and tokens.value == pytest.approx(0.5)  # a's gap there
+    assert tokens.power_at([1.0, 0.25]) == pytest.approx(2.0)  # over the parting step's bound
+    assert compare.token_threshold(a, a).power_at([1.0, 1.0]) == 0.0  # nothing decides

@@ -71,6 +71,76 @@ def test_the_tolerance_of_a_bitwise_row_is_one_step_and_more_runs_need_less_room
         false_red.tail_parameters(1, SHARE)
 
 
+def test_a_value_tied_with_the_threshold_counts_half_a_step() -> None:
+    """The H100's prefill rows: most values one grid value, the rest below it. Without the
+    half step per tie the excess is zero and the tolerance one step above the tie, which a run
+    one grid value (two steps) further out crosses."""
+    row = [4 * STEP] * 21 + [2 * STEP] * 7
+    j, c = false_red.tail_parameters(28, SHARE)
+    threshold, excess = false_red.tail_excess(row, STEP)
+    assert (threshold, excess) == (4 * STEP, j * STEP / 2)
+    assert false_red.tail_tolerance(row, STEP, SHARE) == pytest.approx(
+        4 * STEP + c * j * STEP / 2 + STEP
+    )
+    assert false_red.tail_tolerance(row, STEP, SHARE) > 8 * STEP
+    # Values above the threshold count as they are; a zero threshold is exact (bitwise pairs).
+    assert false_red.tail_excess([3 * STEP, 2 * STEP, 2 * STEP, STEP], STEP) == (
+        2 * STEP,
+        pytest.approx(1.5 * STEP),
+    )
+    assert false_red.tail_excess([0.0] * 4, STEP) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("grid", [0.5, 1.0, 2.0])
+def test_on_rounded_values_the_half_step_only_lowers_the_rate(grid: float) -> None:
+    """Exponential excesses rounded up to a grid (the logits' step): the rule with ties counted
+    half a step rejects a fresh rounded draw no more often than the share, and no more often
+    than the rule that counted none."""
+    rng = random.Random(int(grid * 10))
+    share, trials = 0.01, 20000
+    new = old = 0
+    for _ in range(trials):
+        draw = lambda: math.ceil((1.0 + rng.expovariate(1.0)) / grid) * grid  # noqa: E731
+        row, fresh = [draw() for _ in range(29)], draw()
+        new += fresh > false_red.tail_tolerance(row, grid, share)
+        j, c = false_red.tail_parameters(29, share)
+        ordered = sorted(row, reverse=True)
+        untied = ordered[j] + c * math.fsum(v - ordered[j] for v in ordered[:j]) + grid
+        old += fresh > untied
+    assert new <= old
+    assert new / trials <= share
+
+
+def test_per_step_bounds_split_the_share_over_the_steps() -> None:
+    assert false_red.step_share(0.0005, 24) == pytest.approx(0.0005 / 24)
+    with pytest.raises(ValueError, match="at least one"):
+        false_red.step_share(0.0005, 0)
+    rows = [[0.0] * 29, [0.01 * k for k in range(29)]]
+    bounds = false_red.step_bounds(rows, STEP, SHARE)
+    assert bounds[0] == STEP
+    assert bounds[1] == false_red.tail_tolerance(rows[1], STEP, SHARE / 2)
+    assert bounds[1] > false_red.tail_tolerance(rows[1], STEP, SHARE)
+
+
+def test_measure_judges_each_run_at_its_own_step() -> None:
+    """Per-step noise: a held-out run parting at step 0, where the others are a step apart, by
+    12 steps is rejected; parting at step 1, where they are 20 steps apart, by as much is not."""
+    runs = 6
+    noise = [
+        [(0.0, 0.0) if r == h else (STEP, 20 * STEP + (r + h) * STEP / 8) for h in range(runs)]
+        for r in range(runs)
+    ]
+    accept = [[0.0] * runs for _ in range(runs)]
+    at: list[list[int | None]] = [[None] * runs for _ in range(runs)]
+    for r in range(1, runs):
+        accept[r][0], at[r][0] = 12 * STEP, 0
+    found = false_red.measure(noise, accept, STEP, 0.05, at)
+    assert found.rejected == runs - 1 and found.rejected_runs == 1
+    for r in range(1, runs):
+        at[r][0] = 1
+    assert false_red.measure(noise, accept, STEP, 0.05, at).rejected == 0
+
+
 def test_exceedance_is_the_share_at_which_the_tolerance_reaches_a_value() -> None:
     row = [0.06, 0.07, 0.08, 0.09, 0.10, 0.12, 0.16]
     for share in (0.3, 0.01, 0.0005):
