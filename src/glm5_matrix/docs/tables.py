@@ -113,7 +113,8 @@ def mutants_table(
         if row is not None and row.get("status") != "not-run":
             rows.append(row)
         elif kept_gpu:
-            latest = max(kept_gpu, key=lambda v: v.date)
+            judged = [v for v in kept_gpu if v.judged]  # an invalid run hides no judged one
+            latest = max(judged or kept_gpu, key=lambda v: v.date)
             rows.append({"name": m.name, "cell": m.cell, "status": latest.status})
         elif row is not None:
             rows.append(row)

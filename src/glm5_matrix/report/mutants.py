@@ -123,9 +123,13 @@ def kept_rates(kept: Sequence[KeptVerdict]) -> list[str]:
         latest[(verdict.gpu, verdict.mutant)] = verdict
     per_gpu: dict[str, list[int]] = {}
     for (gpu, _), verdict in sorted(latest.items()):
-        counts = per_gpu.setdefault(gpu, [0, 0])
+        counts = per_gpu.setdefault(gpu, [0, 0, 0])
         counts[0] += verdict.status == "caught"
-        counts[1] += 1
+        counts[1] += verdict.judged
+        counts[2] += not verdict.judged
     lines = ["GPU verdicts kept in mutants/gpu-verdicts.toml (each mutant's latest per GPU):", ""]
-    lines += [f"- {gpu}: {c} of {j} judged caught" for gpu, (c, j) in per_gpu.items()]
+    lines += [
+        f"- {gpu}: {c} of {j} judged caught" + (f", {n} not judged" if n else "")
+        for gpu, (c, j, n) in per_gpu.items()
+    ]
     return lines

@@ -7,7 +7,9 @@ report and the catalogue's table read it. A CPU run never writes it (its GPU ent
 here"). One [[verdict]] table per (mutant, GPU model, vLLM version), the latest kept:
 
     mutant           the catalogue entry (mutants/catalogue.toml)
-    status           "caught" or "survived" (a run that judged nothing is not kept)
+    status           "caught" or "survived"; "invalid" for a run that judged nothing (its control
+                     failed, or it did not finish), kept by hand with why in `detail` until a
+                     judged verdict of the same mutant, GPU model and vLLM replaces it
     gpu              the runner's GPU model, as nvidia-smi names it
     vllm             the vLLM version the cell ran
     date             YYYY-MM-DD (UTC)
@@ -31,7 +33,8 @@ from glm5_matrix import contracts
 from glm5_matrix.contracts import Spec
 
 KEPT_FILE = Path("mutants") / "gpu-verdicts.toml"
-STATUSES = ("caught", "survived")
+STATUSES = ("caught", "survived", "invalid")
+JUDGED = ("caught", "survived")
 
 
 def _text(doc: str, required: bool = True) -> Spec:
@@ -43,7 +46,7 @@ VERDICT = contracts.table(
         "mutant": _text("the catalogue entry (mutants/catalogue.toml) judged"),
         "status": Spec(
             "str",
-            "what the run judged (a run that judged nothing is not kept)",
+            "what the run judged (invalid: nothing, its control failed or it did not finish)",
             required=True,
             choices=STATUSES,
         ),
@@ -72,8 +75,16 @@ VERDICT = contracts.table(
             if v.get("status") == "caught" and not v.get("caught_by")
             else []
         ),
+        lambda v: (
+            [("detail", "an invalid run says why it judged nothing")]
+            if v.get("status") == "invalid" and not v.get("detail")
+            else []
+        ),
     ),
-    rules_say=("a caught verdict names the tests that caught it",),
+    rules_say=(
+        "a caught verdict names the tests that caught it",
+        "an invalid verdict says in detail why nothing was judged",
+    ),
 )
 GPU_VERDICTS = contracts.table(
     {"verdict": Spec("list", "[[verdict]] entries", items=VERDICT)},
@@ -104,6 +115,10 @@ class KeptVerdict:
     def key(self) -> tuple[str, str, str]:
         return (self.mutant, self.gpu, self.vllm)
 
+    @property
+    def judged(self) -> bool:
+        return self.status in JUDGED
+
     def describe(self) -> str:
         """One line for a table cell: where, when, what caught it, the walls."""
         walls = []
@@ -111,11 +126,12 @@ class KeptVerdict:
             walls.append(f"{self.seconds:.0f} s")
         if self.control_seconds is not None:
             walls.append(f"control green, {self.control_seconds:.0f} s")
-        verdict = (
-            "caught by " + ", ".join(f"`{t}`" for t in self.caught_by)
-            if self.status == "caught"
-            else "**survived**"
-        )
+        if self.status == "caught":
+            verdict = "caught by " + ", ".join(f"`{t}`" for t in self.caught_by)
+        elif self.status == "survived":
+            verdict = "**survived**"
+        else:
+            verdict = "not judged"
         text = f"{self.gpu}, vLLM {self.vllm}, {self.date} ({self.how}): {verdict}"
         if self.detail:
             text += f" ({self.detail})"

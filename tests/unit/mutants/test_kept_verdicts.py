@@ -71,7 +71,8 @@ def test_round_trip_and_update(tmp_path: Path) -> None:
     ("entry", "message"),
     [
         ({"colour": "red"}, r"verdict #1.colour: unknown key"),
-        ({"status": "invalid"}, "is not one of"),
+        ({"status": "judged"}, "is not one of"),
+        ({"status": "invalid", "caught_by": []}, "says why it judged nothing"),
         ({"date": "6 Dec"}, "must be YYYY-MM-DD"),
         ({"caught_by": []}, "names the tests that caught it"),
         ({"gpu": ""}, "gpu: must not be empty"),
@@ -147,3 +148,20 @@ def test_the_report_shows_kept_verdicts_where_a_gpu_row_was_not_run_here() -> No
     assert "NVIDIA H200, vLLM 0.33.0, 2026-12-04 (nox -s mutants): **survived**" in text
     assert f"- {H100}: 1 of 1 judged caught" in text
     assert "- NVIDIA H200: 0 of 1 judged caught" in text
+
+
+def test_a_run_that_judged_nothing_is_kept_as_such_and_counted_apart() -> None:
+    """A mutant whose control failed on the GPU (its verdict rule's own false red on the H100):
+    kept by hand as invalid, with why; shown as not judged, counted neither caught nor
+    survived, and a judged verdict of another GPU is not hidden by it."""
+    invalid = _kept(
+        "m", status="invalid", date="2026-12-07", detail="not judged: its control failed"
+    )
+    assert not invalid.judged and "not judged (not judged: its control failed)" in (
+        invalid.describe()
+    )
+    rows = [{"name": "m", "cell": "c", "area": "a", "breaks": "b", "status": "not-run"}]
+    kept = [invalid, _kept("m", gpu="NVIDIA H200", date="2026-12-04")]
+    text = report.render({"mutants": rows, "summary": {"overall": "0/0"}}, kept)
+    assert f"- {H100}: 0 of 0 judged caught, 1 not judged" in text
+    assert "- NVIDIA H200: 1 of 1 judged caught" in text
