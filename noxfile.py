@@ -145,9 +145,8 @@ def docs(session: nox.Session) -> None:
     """The docs site, docs/ built strictly into site/ (-- serve: read it while editing).
 
     mkdocs --strict: a broken link or anchor, or a page missing from mkdocs.yml's nav, fails it;
-    `-- serve` serves it at http://127.0.0.1:8000."""
-    args = session.posargs or ["build", "--strict"]
-    tools.run_module(session, "mkdocs", args)
+    `-- serve` serves it on 127.0.0.1 at a free port it prints."""
+    tools.run_module(session, "mkdocs", tools.docs_arguments(list(session.posargs)))
 
 
 @nox.session(tags=["meta"])

@@ -17,6 +17,7 @@ import io
 import os
 from pathlib import Path
 
+from glm5_matrix.engines import servers
 from glm5_matrix.envs import environments
 from glm5_matrix.errors import UserError
 from glm5_matrix.files import repo_root
@@ -78,3 +79,16 @@ def run_module(session: NoxSession, module: str, argv: list[str]) -> None:
         "PYTHONPATH": os.pathsep.join(p for p in (src, environ.get("PYTHONPATH")) if p),
     }
     session.run(str(built.python), "-m", module, *argv, env=run_env, external=True)
+
+
+def docs_arguments(posargs: list[str]) -> list[str]:
+    """mkdocs' arguments for `nox -s docs -- ARGS`: a strict build by default; `serve` on
+    127.0.0.1 at a port the OS says is free (mkdocs' own default, 8000, is a fixed port another
+    server may hold), unless the caller names an address."""
+    if not posargs:
+        return ["build", "--strict"]
+    if posargs[0] == "serve" and not any(
+        a in ("-a", "--dev-addr") or a.startswith("--dev-addr=") for a in posargs
+    ):
+        return [*posargs, "--dev-addr", f"{servers.HOST}:{servers.free_ports(1)[0]}"]
+    return list(posargs)
