@@ -580,7 +580,9 @@ def test_disaggregated_output_matches_single_server(
         # decisive (logprob deltas recorded), and a control rejected by the same rule. The
         # wrong-KV control is none here: on this model it left all 16 tokens unchanged
         # (measured), so the token rule is shown failing on P->D steered off P alone's choice.
-        comparison.tokens_agree(reference, decoded, ("P-only", "P->D across TP sizes"))
+        comparison.tokens_agree(
+            reference, decoded, ("P-only", "P->D across TP sizes"), along_path=True
+        )
         timeout = float(_pd(profile)["request_timeout_s"])
         steered = _steered_off(record, reference, comparison, timeout)
         comparison.rejects_by_token(reference, steered, ("P-only", "P->D off P alone's choice"))
@@ -641,7 +643,7 @@ def test_output_with_n_minus_1_mid_block_keeps_its_tokens(
     logprob deltas along the way are recorded as a distribution, not judged."""
     reference, decoded = record.unaligned_reference, record.unaligned.decode
     print(f"\nP-only {reference.token_ids}\nP->D   {decoded.token_ids}")
-    comparison.tokens_agree(reference, decoded, ("P-only", "P->D mid-block"))
+    comparison.tokens_agree(reference, decoded, ("P-only", "P->D mid-block"), along_path=True)
 
 
 def _other_model(

@@ -163,9 +163,11 @@ class GreedyOutput:
 #    far reference #1's runs moved one candidate's score against another's over the steps up to
 #    it (accumulated_spread, NoiseFloor.bounds; early steps are judged against their own smaller
 #    noise), each step at its share of the comparison's (the union bound over the step a run
-#    first parts at). For a drafter (along_path) the bar
-#    is also what the two runs' scores already differed by at the steps before, on the same
-#    tokens: the verification pass rounds otherwise, which the reference's repeats cannot show.
+#    first parts at). Along another path (along_path: a drafter's verification pass, other TP
+#    sizes, P->D's kernels) the run's own scores carry that path's rounding, which the
+#    reference's repeats cannot show: there only the reference's side is judged (the tokens
+#    must be equal wherever the reference is decisive), its bar also what the two runs' scores
+#    already differed by at the steps before, on the same tokens.
 #    token_threshold is what the bound must cover for the run to be accepted. Logprob
 #    differences are recorded, never bounded by a constant. Runs whose arithmetic is the
 #    reference's own are compared bitwise (check_exact).
@@ -610,17 +612,27 @@ def first_parting(reference: Scored, run: Scored) -> Parting | None:
 
 def token_threshold(reference: Scored, run: Scored, along_path: bool = False) -> Threshold:
     """What check_tokens compares with the bound of the step that decides (rule point 5): the
-    larger gap where the runs first part (inf where a side's token is unscored by the other or
-    the run ended: no bound accepts it), at that step; 0 where they never part, or, along a
-    path, where the gap lies within what the paths moved the scores by before it (no bound
-    rejects it). The run is accepted iff value <= the bound at `step`; its power against a
+    larger gap where the runs first part (along another path the reference's gap; inf where a
+    side's token is unscored by the other or the run ended: no bound accepts it), at that step;
+    0 where they never part, or, along a path, where the gap lies within what the paths moved
+    the scores by before it (no bound rejects it). The run is accepted iff value <= the bound at `step`; its power against a
     control is value / that bound."""
     parting = first_parting(reference, run)
     if parting is None:
         return Threshold(0.0, None)
-    if along_path and parting.gap <= parting.before:
+    judged = _judged_gap(parting, along_path)
+    if along_path and judged <= parting.before:
         return Threshold(0.0, parting.step)
-    return Threshold(parting.gap, parting.step)
+    return Threshold(judged, parting.step)
+
+
+def _judged_gap(parting: Parting, along_path: bool) -> float:
+    """What the bound must cover at a parting: the larger of the two sides' preferences on one
+    path; along another path the reference's alone (the run's carries the path's rounding),
+    unless a side did not score the other's token at all (inf: no near-tie on any path)."""
+    if along_path and not math.isinf(parting.gap):
+        return parting.gaps[0]
+    return parting.gap
 
 
 def check_exact(a: Scored, b: Scored, names: tuple[str, str]) -> int:
@@ -687,12 +699,15 @@ def check_tokens(
     up to each step, NoiseFloor.bounds; one float for every step): each side's token among the
     other's candidates and preferred by it by no more than the bound. Greedy decoding of the
     same model chooses the same wherever the reference wins by more than its noise; after a
-    parting the inputs differ and nothing more is compared. With `along_path` (a drafter: the
-    target verifies drafted tokens in a pass of other shapes, whose rounding the reference's
-    repeats cannot show) the bar at the parting is also at least the largest difference the two
-    runs showed at the steps before it, on the same tokens; the parting step's own difference
-    never raises it, so a run whose scores jump where it parts fails there. An AssertionError
-    names a parting at a decisive step, an unscored token, or a run that ended early."""
+    parting the inputs differ and nothing more is compared. With `along_path` (the run computes
+    along another path: a drafter's verification pass of other shapes, other TP sizes summing
+    their partial products in another order, P->D's kernels; rounding the reference's repeats
+    cannot show) only the reference's preference is judged at the parting (the run's carries
+    the path's rounding: where the reference ties, the run may prefer its token by more than the
+    reference's noise), and its bar is also at least the largest difference the two runs showed
+    at the steps before it, on the same tokens; the parting step's own difference never raises
+    it. A token one side did not score is no near-tie on any path. An AssertionError names a
+    parting at a decisive step, an unscored token, or a run that ended early."""
     total = len(reference.token_ids)
     parting = first_parting(reference, run)
     if parting is None:
@@ -719,10 +734,16 @@ def check_tokens(
             f"{names[1]}: {dict(run.top_logprobs[step])}): not a near-tie"
             f"{_shown(reference, run, names)}"
         )
-    if parting.gap > bar:
+    if _judged_gap(parting, along_path) > bar:
+        judged = (
+            f"{names[0]} wins by {parting.gaps[0]:.4f} (judged) and {names[1]} by "
+            f"{parting.gaps[1]:.4f} (its path's, recorded) > bound"
+            if along_path
+            else f"{names[0]} wins by {parting.gaps[0]:.4f} and {names[1]} by "
+            f"{parting.gaps[1]:.4f} > bound"
+        )
         raise AssertionError(
-            f"step {step}: {names[0]} chose {chosen}, {names[1]} {other}, where {names[0]} "
-            f"wins by {parting.gaps[0]:.4f} and {names[1]} by {parting.gaps[1]:.4f} > bound "
+            f"step {step}: {names[0]} chose {chosen}, {names[1]} {other}, where {judged} "
             f"{bound:.4f}{path} (a decisive step: greedy decoding of the same model must choose "
             f"the same); {names[1]} scored {dict(run.top_logprobs[step])}"
             f"{_shown(reference, run, names)}"

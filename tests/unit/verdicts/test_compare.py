@@ -514,6 +514,35 @@ def test_along_a_path_a_jump_at_the_parting_step_itself_is_not_excused() -> None
     assert same == compare.TokenAgreement(3, 3)
 
 
+def test_along_a_path_the_runs_own_preference_at_a_reference_tie_is_its_paths() -> None:
+    """What CI's e2e-cpu-tp4 met (2026-12-06): TP1 (the reference, deterministic: bound one
+    logit step) ties 56 and 448 exactly at step 1 and keeps 56; TP4, whose all-reduce sums in
+    another order, prefers 448 by 0.0469 (six steps). The reference is not decisive there, so
+    along the path the parting ends the comparison; judged as one path (both sides within the
+    reference's noise) it was a false red. A tie the run breaks the other way by any margin is
+    still a tie of the reference's; the reference winning by more than its bound still fails."""
+    first = {764: -0.2, 56: -3.0}
+    tie = {56: -4.6582, 448: -4.6582, 71: -5.1426}
+    reference = scored([764, 56], [first, tie])
+    tp4 = scored([764, 448], [first, {448: -4.634829521179199, 56: -4.681704521179199, 71: -5.14}])
+    bound = 0.0078125
+    with pytest.raises(AssertionError, match=r"TP1 wins by 0.0000 and TP4 by 0.0469 > bound"):
+        compare.check_tokens(reference, tp4, bound, ("TP1", "TP4"))
+    found = compare.check_tokens(reference, tp4, bound, ("TP1", "TP4"), along_path=True)
+    assert (found.compared, found.parted_at) == (1, 1)
+    assert found.gaps == pytest.approx((0.0, 0.046875))
+    assert compare.token_threshold(reference, tp4, along_path=True).value == 0.0
+    # The reference deciding the step (56 by 0.1) is judged along the path as on one.
+    decided = scored([764, 56], [first, {**tie, 56: -4.5582}])
+    with pytest.raises(AssertionError, match=r"TP1 wins by 0.1000 \(judged\)"):
+        compare.check_tokens(decided, tp4, bound, ("TP1", "TP4"), along_path=True)
+    assert compare.token_threshold(decided, tp4, along_path=True).value == pytest.approx(0.1)
+    # A token the reference did not score at all is no tie on any path.
+    unscored = scored([764, 9], [first, {9: -4.0, 56: -4.7}])
+    with pytest.raises(AssertionError, match="a token the other side did not score"):
+        compare.check_tokens(reference, unscored, bound, ("TP1", "TP4"), along_path=True)
+
+
 def test_equal_prefix_counts_the_shared_leading_tokens() -> None:
     a = scored([1, 2, 3], [{1: -1.0}, {2: -1.0}, {3: -1.0}])
     b = scored([1, 2, 4], [{1: -1.0}, {2: -1.0}, {4: -1.0}])
