@@ -199,11 +199,24 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def resource_tracker(pid: int) -> bool:
+    """Whether `pid` is a multiprocessing resource tracker."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"multiprocessing.resource_tracker" in f.read()
+    except OSError:
+        return False
+
+
 def kill_tree() -> None:
-    """SIGKILL every descendant of this process (a subject that ends while vLLM still runs)."""
+    """SIGKILL every descendant of this process (a subject that ends while vLLM still runs) but
+    multiprocessing's resource trackers: each ends by itself once every process it serves is
+    gone, and unlinks the shared memory they leave (/dev/shm/psm_*, sem.mp-*), which a killed
+    one would leave behind. One that does not end is left for the supervisor to report."""
     for pid in reversed(descendants(os.getpid())):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+        if not resource_tracker(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _left_behind(grace: float) -> list[int]:
