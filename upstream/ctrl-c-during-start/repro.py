@@ -20,9 +20,10 @@ zmq_socket_ctx(...)` block that a KeyboardInterrupt reaches, and whether that ex
 (contextlib's __exit__ returned True). Reproduced: zmq_socket_ctx suppressed the
 KeyboardInterrupt (from then on no KeyboardInterrupt can come out of LLM()), or LLM() returned
 after the SIGINT. Not reproduced: the KeyboardInterrupt went through zmq_socket_ctx and out of
-LLM(). No verdict: the SIGINT was not sent while LLM() waited for its engine core, or the
-KeyboardInterrupt never reached zmq_socket_ctx. What LLM() does after a suppression (returns, or
-still waits --wait s later) is reported in the detail, not judged.
+LLM(). No verdict: the SIGINT was not sent while LLM() waited for its engine core (or SIGINT's
+handler was not Python's default then), or the KeyboardInterrupt never reached zmq_socket_ctx.
+What LLM() does after a suppression (returns, or still waits --wait s later) is reported in the
+detail, not judged.
 
 Exit status 1: reproduced, 0: not reproduced, 2: no check made (also when --timeout s pass
 first: a slow machine gives no verdict, never a wrong one).
@@ -313,6 +314,11 @@ class ExitWatch:
 
 
 def run_subject(delay: float, wait: float, within: float) -> int:
+    # A SIGINT becomes a KeyboardInterrupt only under Python's default handler. A process
+    # started with SIGINT ignored (`python repro.py &` from a script, nohup, some CI runners)
+    # inherits SIG_IGN: the SIGINT below would be dropped before vLLM saw anything, and LLM()
+    # returning would read as a reproduction.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from vllm import LLM
 
     model = tiny_model()
@@ -349,6 +355,12 @@ def run_subject(delay: float, wait: float, within: float) -> int:
         time.sleep(delay)
         if not waiting_for_engine_core():
             return
+        handler = signal.getsignal(signal.SIGINT)
+        if handler is not signal.default_int_handler:
+            why = f"SIGINT's handler was {handler!r}, not Python's default, when it was due"
+            verdict(None, EXPECTED, "", why)
+            kill_tree()
+            os._exit(2)
         sent["at"] = time.monotonic()
         os.kill(os.getpid(), signal.SIGINT)
         # Wait for what becomes of it: LLM() ends, or zmq_socket_ctx suppresses it.
