@@ -30,6 +30,15 @@ TOLERANCES = Tolerances(
 )
 
 
+@pytest.fixture(autouse=True)
+def own_figures(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The synthetic cell runs record into a state of their own, and the unit cell's recorder
+    and device are put back after each test: left behind, their figures landed in the unit
+    cell's results.json and the report drew them as a measured comparison."""
+    monkeypatch.setattr(recorder, "_STATE", recorder._State())
+    monkeypatch.setattr(judging, "_DEVICE", {})
+
+
 def _cell_run(folder: Path, outliers: tuple[int, ...], device: str) -> None:
     """One run of an offload-like cell: 30 reference runs (some far out), a judged warm run."""
     recorder._STATE = recorder._State()
