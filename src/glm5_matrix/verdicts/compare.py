@@ -612,11 +612,11 @@ def first_parting(reference: Scored, run: Scored) -> Parting | None:
 
 def token_threshold(reference: Scored, run: Scored, along_path: bool = False) -> Threshold:
     """What check_tokens compares with the bound of the step that decides (rule point 5): the
-    larger gap where the runs first part (along another path the reference's gap; inf where a
-    side's token is unscored by the other or the run ended: no bound accepts it), at that step;
-    0 where they never part, or, along a path, where the gap lies within what the paths moved
-    the scores by before it (no bound rejects it). The run is accepted iff value <= the bound at `step`; its power against a
-    control is value / that bound."""
+    gap judged where the runs first part (_judged_gap: inf where a side's token is unscored by
+    the other or the run ended, no bound accepts it), at that step; 0 where they never part,
+    or, along a path, where that gap lies within what the paths moved the scores by before it
+    (no bound rejects it). The run is accepted iff value <= the bound at `step`; its power
+    against a control is value / that bound."""
     parting = first_parting(reference, run)
     if parting is None:
         return Threshold(0.0, None)
@@ -735,16 +735,11 @@ def check_tokens(
             f"{_shown(reference, run, names)}"
         )
     if _judged_gap(parting, along_path) > bar:
-        judged = (
-            f"{names[0]} wins by {parting.gaps[0]:.4f} (judged) and {names[1]} by "
-            f"{parting.gaps[1]:.4f} (its path's, recorded) > bound"
-            if along_path
-            else f"{names[0]} wins by {parting.gaps[0]:.4f} and {names[1]} by "
-            f"{parting.gaps[1]:.4f} > bound"
-        )
+        tags = (" (judged)", " (its path's, recorded)") if along_path else ("", "")
         raise AssertionError(
-            f"step {step}: {names[0]} chose {chosen}, {names[1]} {other}, where {judged} "
-            f"{bound:.4f}{path} (a decisive step: greedy decoding of the same model must choose "
+            f"step {step}: {names[0]} chose {chosen}, {names[1]} {other}, where {names[0]} "
+            f"wins by {parting.gaps[0]:.4f}{tags[0]} and {names[1]} by {parting.gaps[1]:.4f}"
+            f"{tags[1]} > bound {bound:.4f}{path} (a decisive step: greedy decoding of the same model must choose "
             f"the same); {names[1]} scored {dict(run.top_logprobs[step])}"
             f"{_shown(reference, run, names)}"
         )

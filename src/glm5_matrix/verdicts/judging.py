@@ -367,8 +367,10 @@ class Comparison:
     ) -> TokenAgreement:
         """`run` (along another path: a cached boundary, a drafter's verification) chooses the
         reference's tokens until they first part at a near-tie within the bound of that step
-        (compare.check_tokens under the floor's bounds; with `along_path`, a drafter's, also
-        above the differences the two runs showed on the same tokens before); printed and
+        (compare.check_tokens under the floor's bounds; with `along_path`, a run along another
+        path: a drafter, other TP sizes, another MoE backend, P->D across TP sizes or
+        mid-block, only the reference's side judged there, and above the differences the two
+        runs showed on the same tokens before); printed and
         recorded, with the per-step logprob differences over the equal steps as a distribution
         (recorded, not judged). The token rule's false-red rate is measured on the reference
         runs first, and `path_runs` compared with them, as in agrees_by_logprobs()."""

@@ -89,28 +89,12 @@ def test_a_control_short_of_its_bar_is_drawn_short_and_checked_against_its_data(
         repo_root() / "tests" / "unit" / "data" / "h100-2026-12-06-nopower" / "e2e-tp1-flashinfer"
     )
     shutil.copytree(h100, tree / "e2e-tp1-flashinfer")
-    made = model.collect(matrix, tree)
-    command.write(made, tree / "report")
-    page = tree / "report" / "report.html"
+    made, page = _report_of(tree, matrix)
     checked = browser.check_report(page, made)
     assert not [p for p in checked.problems if "its bar" in p], checked.problems
-    # The chart the check reads is the one under #comparisons (the failure's copy comes first).
-    head, _, charts = page.read_text().partition('id="comparisons"')
-    assert charts, "no comparisons section"
 
     def past_the_bar(text: str) -> str:
-        return (
-            head
-            + 'id="comparisons"'
-            + re.sub(
-                r'(<svg class="comparison" role="img" data-cell="e2e-tp1\(flashinfer\)" '
-                r'data-name="moe_agree".*?<path class="control"[^>]*?) d="M[0-9.]+,',
-                r'\1 d="M560,',
-                charts,
-                count=1,
-                flags=re.S,
-            )
-        )
+        return _redrawn(text, "moe_agree", 'path class="control"', "d", "M[0-9.]+,", "M560,")
 
     planted = _plant(page, tmp_path, past_the_bar)
     checked = browser.check_report(planted, made)
@@ -132,26 +116,12 @@ def test_noise_past_its_tolerance_is_drawn_past_and_checked_against_its_data(
         if figure["name"] == "repeat_prefill.noise_max":
             figure["value"] = 0.4  # past its tolerance of 0.101545
     found.write_text(json.dumps(data))
-    made = model.collect(matrix, tree)
-    command.write(made, tree / "report")
-    page = tree / "report" / "report.html"
+    made, page = _report_of(tree, matrix)
     checked = browser.check_report(page, made)
     assert not [p for p in checked.problems if "noise band" in p], checked.problems
 
     def short(text: str) -> str:
-        head, _, charts = text.partition('id="comparisons"')
-        return (
-            head
-            + 'id="comparisons"'
-            + re.sub(
-                r'(<svg class="comparison" role="img" data-cell="e2e-tp1\(flashinfer\)" '
-                r'data-name="repeat_prefill".*?<rect class="noise"[^>]*?) width="[0-9.]+"',
-                r"\1 width=\"4\"",
-                charts,
-                count=1,
-                flags=re.S,
-            )
-        )
+        return _redrawn(text, "repeat_prefill", 'rect class="noise"', "width", '[0-9.]+"', '4"')
 
     checked = browser.check_report(_plant(page, tmp_path, short), made)
     assert any(
@@ -193,6 +163,26 @@ def _plant(page: Path, tmp_path: Path, edit) -> Path:
     planted = tmp_path / "report.html"
     planted.write_text(changed)
     return planted
+
+
+def _redrawn(text: str, name: str, mark: str, attribute: str, old: str, new: str) -> str:
+    """The page with one mark of e2e-tp1(flashinfer)'s chart `name` redrawn: the first `mark`
+    element's `attribute`, from what matches `old`, set to `new`; in the charts under
+    #comparisons, the ones the check reads (a failure's copy comes before them)."""
+    head, section, charts = text.partition('id="comparisons"')
+    assert section, "no comparisons section"
+    chart = (
+        rf'(<svg class="comparison" role="img" data-cell="e2e-tp1\(flashinfer\)" '
+        rf'data-name="{name}".*?<{mark}[^>]*?) {attribute}="{old}'
+    )
+    return head + section + re.sub(chart, rf'\1 {attribute}="{new}', charts, count=1, flags=re.S)
+
+
+def _report_of(tree: Path, matrix: Matrix) -> tuple[model.MatrixReport, Path]:
+    """The report of the results folder `tree`, written under it."""
+    made = model.collect(matrix, tree)
+    command.write(made, tree / "report")
+    return made, tree / "report" / "report.html"
 
 
 PLANTED = {
@@ -275,36 +265,15 @@ PLANTED = {
         "comparison mtp of e2e-tp1(flashinfer) is not drawn",
     ),
     "a run within the tolerance drawn beyond it": (
-        lambda t: re.sub(
-            r'(<svg class="comparison" role="img" data-cell="e2e-tp1\(flashinfer\)" '
-            r'data-name="last_token".*?<circle class="run"[^>]*?) cx="[0-9.]+"',
-            r'\1 cx="560"',
-            t,
-            count=1,
-            flags=re.S,
-        ),
+        lambda t: _redrawn(t, "last_token", 'circle class="run"', "cx", '[0-9.]+"', '560"'),
         "run served (0.085933 nats, tolerance 0.617964) is drawn right of the tolerance",
     ),
     "a noise band drawn past the tolerance": (
-        lambda t: re.sub(
-            r'(<svg class="comparison" role="img" data-cell="e2e-tp1\(flashinfer\)" '
-            r'data-name="repeat_prefill".*?<rect class="noise"[^>]*?) width="[0-9.]+"',
-            r'\1 width="520"',
-            t,
-            count=1,
-            flags=re.S,
-        ),
+        lambda t: _redrawn(t, "repeat_prefill", 'rect class="noise"', "width", '[0-9.]+"', '520"'),
         "repeat_prefill: the noise band reaches past the tolerance, the noise measured does not",
     ),
     "a control drawn short of its bar": (
-        lambda t: re.sub(
-            r'(<svg class="comparison" role="img" data-cell="e2e-tp1\(flashinfer\)" '
-            r'data-name="repeat_prefill".*?<path class="control"[^>]*?) d="M[0-9.]+,',
-            r'\1 d="M20,',
-            t,
-            count=1,
-            flags=re.S,
-        ),
+        lambda t: _redrawn(t, "repeat_prefill", 'path class="control"', "d", "M[0-9.]+,", "M20,"),
         "control stale_block is drawn short of its bar",
     ),
 }
